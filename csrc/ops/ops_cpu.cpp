@@ -1,0 +1,62 @@
+// CPU kernels of the rope_ext ops.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../rope/cpu_kernel.h"
+#include "binding.h"
+
+namespace rope_ext {
+namespace {
+
+void check_positions_cpu(const rope::RopeParams& p) {
+  int64_t value = 0;
+  const int64_t token = first_bad_position(p, &value);
+  TORCH_CHECK_INDEX(token < 0, "positions must be in [0, cos_sin.shape[0]) = [0, ", p.n_cache_rows,
+                    "), got ", value);
+}
+
+void launch_cpu(const rope::RopeParams& p, const at::Tensor&) {
+  // Split tokens so that a chunk moves at least ~64 KiB.
+  int64_t per_token = 0;
+  for (int t = 0; t < p.n_tensors; ++t) per_token += p.t[t].n_heads * p.head_dim;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, per_token));
+  at::parallel_for(0, p.n_tokens, grain,
+                   [&](int64_t begin, int64_t end) { rope::cpu::rotate_tokens(p, begin, end); });
+}
+
+constexpr Backend kCpu{check_positions_cpu, launch_cpu};
+
+at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
+                      bool interleaved, bool inverse) {
+  return rotary(x, positions, cos_sin, interleaved, inverse, kCpu);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& positions,
+                                                 const at::Tensor& cos_sin, bool interleaved,
+                                                 bool inverse) {
+  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, kCpu);
+}
+
+void rotary_qk_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                           const at::Tensor& positions, const at::Tensor& cos_sin,
+                           bool interleaved, bool inverse) {
+  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, kCpu);
+}
+
+}  // namespace
+
+std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                                   const at::Tensor& q_out, const std::optional<at::Tensor>& k_out,
+                                   const at::Tensor& positions, const at::Tensor& cos_sin,
+                                   bool interleaved, bool inverse, int64_t num_sms,
+                                   bool force_scalar);
+
+}  // namespace rope_ext
+
+TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
+  m.impl("rotary", &rope_ext::rotary_cpu);
+  m.impl("rotary_qk", &rope_ext::rotary_qk_cpu);
+  m.impl("rotary_qk_", &rope_ext::rotary_qk_inplace_cpu);
+  m.impl("_cuda_emulated", &rope_ext::cuda_emulated);
+}

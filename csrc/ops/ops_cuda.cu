@@ -1,0 +1,75 @@
+// CUDA kernels of the rope_ext ops: launch on the current stream under a
+// device guard; no host synchronisation and no allocation besides the
+// outputs of the out-of-place ops, so every op can be captured in a CUDA graph.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../rope/cuda_kernel.cuh"
+#include "binding.h"
+
+namespace rope_ext {
+namespace {
+
+template <class T, class CS, class Pos, bool IL, bool Vec>
+__global__ void __launch_bounds__(256) rotary_kernel(const rope::RopeParams p, const rope::gpu::Launch l) {
+  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(
+      p, l, {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, blockDim.x, blockDim.y, gridDim.x, gridDim.y});
+}
+
+int64_t sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 64 && cached[device]) return cached[device];
+  const int n = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  if (device < 64) cached[device] = n;
+  return n;
+}
+
+void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t cs_size = p.cs_dtype == rope::DType::kFloat32   ? 4
+                          : p.cs_dtype == rope::DType::kFloat64 ? 8
+                                                                : 2;
+  const auto l = rope::gpu::plan_launch(p, int(q.element_size()), int(cs_size),
+                                        sm_count(q.get_device()), false);
+  if (l.n_rot_units + l.n_pass_units == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+    rotary_kernel<T, CS, Pos, IL, Vec>
+        <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)), dim3(unsigned(l.block_x), unsigned(l.block_y)), 0,
+           stream>>>(p, l);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Positions are not inspected on the host (that would synchronise): a
+// position outside the cache yields NaN in that token's rotated features, and
+// rope_ext.set_position_checks(True) makes the Python API raise instead.
+constexpr Backend kCuda{nullptr, launch_cuda};
+
+at::Tensor rotary_cuda(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
+                       bool interleaved, bool inverse) {
+  return rotary(x, positions, cos_sin, interleaved, inverse, kCuda);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& positions,
+                                                  const at::Tensor& cos_sin, bool interleaved,
+                                                  bool inverse) {
+  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, kCuda);
+}
+
+void rotary_qk_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                            const at::Tensor& positions, const at::Tensor& cos_sin,
+                            bool interleaved, bool inverse) {
+  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, kCuda);
+}
+
+}  // namespace
+}  // namespace rope_ext
+
+TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
+  m.impl("rotary", &rope_ext::rotary_cuda);
+  m.impl("rotary_qk", &rope_ext::rotary_qk_cuda);
+  m.impl("rotary_qk_", &rope_ext::rotary_qk_inplace_cuda);
+}

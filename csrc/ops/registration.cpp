@@ -1,0 +1,39 @@
+// Every schema of the rope_ext namespace. Backends register their kernels in
+// ops_cpu.cpp and ops_cuda.cu.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "../rope/cpu_kernel.h"
+
+extern "C" {
+// Makes the library importable as rope_ext._C so that the static
+// registrations below run on import; it exposes no Python functions.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+}
+
+TORCH_LIBRARY(rope_ext, m) {
+  // Rotates x [..., head_dim] by cos_sin[positions] (positions broadcast to
+  // x.shape[:-1]); features past rotary_dim = cos_sin.shape[-1] are copied.
+  m.def(
+      "rotary(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved=False, "
+      "bool inverse=False) -> Tensor");
+  // rotary of q and of k with the same positions, in one launch.
+  m.def(
+      "rotary_qk(Tensor q, Tensor k, Tensor positions, Tensor cos_sin, bool interleaved=False, "
+      "bool inverse=False) -> (Tensor, Tensor)");
+  // In-place rotary of q and (optionally) k, in one launch.
+  m.def(
+      "rotary_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
+      "bool interleaved=False, bool inverse=False) -> ()");
+  // Test-only: the CUDA kernel body run on the CPU over the CUDA grid, writing
+  // into q_out / k_out (which may be q / k). num_sms picks the grid shape as
+  // on a GPU with that many SMs; force_scalar disables 16-byte accesses.
+  m.def(
+      "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
+      "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar) -> int[]");
+  // Name of the CPU instruction set in use ("avx2" or "scalar").
+  m.def("_cpu_isa() -> str", [] { return std::string(rope::cpu::isa()); });
+}

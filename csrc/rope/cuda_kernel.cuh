@@ -1,0 +1,236 @@
+// CUDA rotary kernel, torch-free. The body each thread runs is a host-device
+// function: the CUDA launcher calls it from a __global__ wrapper, and a host
+// emulation (cuda_emulate.cpp) calls it over the same grid on the CPU, so the
+// indexing is tested without a GPU.
+//
+// Work split. A block handles one token at a time (grid-stride over tokens in
+// x). Its threads form a (lanes x head-rows) tile: lane `tx` owns one "unit" of
+// a head (a group of feature pairs, or of pass-through features when out of
+// place) and keeps that unit's cos/sin in registers while it walks the heads
+// of q and then k (stride blockDim.y * gridDim.y). When tokens are few
+// (decode), gridDim.y > 1 splits the heads over blocks to fill the GPU.
+#pragma once
+
+#include <stdexcept>
+
+#include "rope.h"
+
+namespace rope {
+namespace gpu {
+
+// Block and thread coordinates (the CUDA built-ins, or loop variables).
+struct Coord {
+  int64_t bx, by, tx, ty;
+  int64_t bdx, bdy, gdx, gdy;
+};
+
+// N elements of T moved as one naturally aligned access (<= 16 bytes).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+ROPE_HD void assert_aligned(const void* ptr, int bytes) {
+#if !defined(__CUDA_ARCH__)
+  if (reinterpret_cast<uintptr_t>(ptr) % uintptr_t(bytes) != 0)
+    throw std::logic_error("rope_ext: misaligned vector access in the CUDA kernel body");
+#endif
+}
+
+// dst[0..N) = src[0..N); as 16-byte (or smaller, naturally aligned) vector
+// accesses when Vectorized, element by element otherwise.
+template <bool Vectorized, class T, int N>
+ROPE_HD void load_n(const T* src, T (&dst)[N]) {
+  if constexpr (Vectorized && N > 1) {
+    constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
+ROPE_UNROLL
+    for (int i = 0; i < N; i += chunk) {
+      assert_aligned(src + i, chunk * int(sizeof(T)));
+      const Vec<T, chunk> v = *reinterpret_cast<const Vec<T, chunk>*>(src + i);
+ROPE_UNROLL
+      for (int k = 0; k < chunk; ++k) dst[i + k] = v.v[k];
+    }
+  } else {
+ROPE_UNROLL
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+template <bool Vectorized, class T, int N>
+ROPE_HD void store_n(T* dst, const T (&src)[N]) {
+  if constexpr (Vectorized && N > 1) {
+    constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
+ROPE_UNROLL
+    for (int i = 0; i < N; i += chunk) {
+      assert_aligned(dst + i, chunk * int(sizeof(T)));
+      Vec<T, chunk> v;
+ROPE_UNROLL
+      for (int k = 0; k < chunk; ++k) v.v[k] = src[i + k];
+      *reinterpret_cast<Vec<T, chunk>*>(dst + i) = v;
+    }
+  } else {
+ROPE_UNROLL
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+// Elements per 16-byte access (1 on the scalar path) and pairs per unit.
+template <class T, bool Vectorized>
+constexpr int vec_width() {
+  return Vectorized ? int(16 / sizeof(T)) : 1;
+}
+template <class T, bool Interleaved, bool Vectorized>
+constexpr int pairs_per_unit() {
+  return Interleaved ? (vec_width<T, Vectorized>() > 1 ? vec_width<T, Vectorized>() / 2 : 1)
+                     : vec_width<T, Vectorized>();
+}
+
+// Launch shape, chosen on the host from the problem shape.
+struct Launch {
+  int64_t grid_x, grid_y, block_x, block_y;
+  int64_t n_rot_units;   // per head: units of pairs_per_unit pairs
+  int64_t n_pass_units;  // per head: units of vec_width pass-through features (0 in place)
+  bool vectorized;
+};
+
+// Whether every access of the vector path is aligned for x elements of
+// `x_size` bytes and cache elements of `cs_size` bytes.
+inline bool can_vectorize(const RopeParams& p, int x_size, int cs_size) {
+  const int64_t V = 16 / x_size;
+  const int64_t r = p.rotary_dim, h = r / 2, D = p.head_dim;
+  if (p.interleaved ? r % V != 0 : h % V != 0) return false;
+  const bool copy_pass = p.t[0].in != p.t[0].out;
+  if (copy_pass && (r % V != 0 || (D - r) % V != 0)) return false;
+  for (int t = 0; t < p.n_tensors; ++t) {
+    const RotTensor& rt = p.t[t];
+    if (reinterpret_cast<uintptr_t>(rt.in) % 16 || reinterpret_cast<uintptr_t>(rt.out) % 16)
+      return false;
+    for (int d = 0; d < p.n_tok_dims; ++d)
+      if (rt.in_tok_stride[d] % V || rt.out_tok_stride[d] % V) return false;
+    for (int d = 0; d < rt.n_head_dims; ++d)
+      if (rt.in_head_stride[d] % V || rt.out_head_stride[d] % V) return false;
+  }
+  const int64_t ppu = p.interleaved ? (V > 1 ? V / 2 : 1) : V;
+  const int64_t chunk = ppu * cs_size > 16 ? 16 : ppu * cs_size;
+  return reinterpret_cast<uintptr_t>(p.cos_sin) % chunk == 0 &&
+         (p.cs_row_stride * cs_size) % chunk == 0 && (h * cs_size) % chunk == 0;
+}
+
+inline Launch plan_launch(const RopeParams& p, int x_size, int cs_size, int64_t num_sms,
+                          bool force_scalar) {
+  Launch l{};
+  l.vectorized = !force_scalar && can_vectorize(p, x_size, cs_size);
+  const int64_t v = l.vectorized ? 16 / x_size : 1;
+  const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
+  const bool copy_pass = p.t[0].in != p.t[0].out;
+  l.n_rot_units = (p.rotary_dim / 2) / ppu;
+  l.n_pass_units = copy_pass ? (p.head_dim - p.rotary_dim) / v : 0;
+  const int64_t lanes = l.n_rot_units + l.n_pass_units;
+  int64_t heads = 0;
+  for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
+  l.block_x = lanes < 256 ? lanes : 256;
+  // About 128 threads per block, each walking a few heads with its cos/sin.
+  const int64_t rows = 128 / l.block_x;
+  l.block_y = rows < 1 ? 1 : (rows < heads ? rows : (heads < 1 ? 1 : heads));
+  l.grid_x = p.n_tokens < 0x7fffffff ? p.n_tokens : 0x7fffffff;
+  l.grid_y = 1;
+  const int64_t target = 4 * num_sms;  // blocks that fill the GPU
+  if (p.n_tokens < target) {
+    const int64_t max_y = (heads + l.block_y - 1) / l.block_y;
+    const int64_t want = (target + p.n_tokens - 1) / p.n_tokens;
+    l.grid_y = want < max_y ? want : max_y;
+    if (l.grid_y > 65535) l.grid_y = 65535;
+    if (l.grid_y < 1) l.grid_y = 1;
+  }
+  return l;
+}
+
+// The body of one CUDA thread.
+template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
+ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c) {
+  using A = typename Acc<T>::type;
+  constexpr int V = vec_width<T, Vectorized>();
+  constexpr int P = pairs_per_unit<T, Interleaved, Vectorized>();
+  const int64_t h = p.rotary_dim / 2;
+  const int64_t n_lanes = l.n_rot_units + l.n_pass_units;
+  const int64_t q_heads = p.t[0].n_heads;
+  const int64_t heads = q_heads + (p.n_tensors > 1 ? p.t[1].n_heads : 0);
+  const CS* cs = static_cast<const CS*>(p.cos_sin);
+
+  for (int64_t token = c.bx; token < p.n_tokens; token += c.gdx) {
+    const TokenOffsets o = token_offsets(p, token);
+    for (int64_t lane = c.tx; lane < n_lanes; lane += c.bdx) {
+      const bool rot = lane < l.n_rot_units;
+      const int64_t j0 = lane * P;  // first pair of this unit
+      A cv[P] = {}, sv[P] = {};
+      if (rot) {
+        const int64_t pos = load_position<Pos>(p, o.pos);
+        if (position_in_cache(p, pos)) {
+          CS cr[P], sr[P];
+          load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
+          load_n<Vectorized>(cs + pos * p.cs_row_stride + h + j0, sr);
+ROPE_UNROLL
+          for (int k = 0; k < P; ++k) {
+            cv[k] = A(to_acc(cr[k]));
+            sv[k] = p.inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
+          }
+        } else {
+          // Never read outside the cache: this token's rotated features are NaN.
+ROPE_UNROLL
+          for (int k = 0; k < P; ++k) cv[k] = sv[k] = A(NAN);
+        }
+      }
+      for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {
+        const int ti = head < q_heads ? 0 : 1;
+        int64_t hin, hout;
+        head_offsets(p.t[ti], ti ? head - q_heads : head, hin, hout);
+        const T* in = static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin;
+        T* out = static_cast<T*>(p.t[ti].out) + o.out[ti] + hout;
+        if (!rot) {
+          const int64_t e = p.rotary_dim + (lane - l.n_rot_units) * V;
+          T x[V];
+          load_n<Vectorized>(in + e, x);
+          store_n<Vectorized>(out + e, x);
+        } else if (Interleaved) {
+          T x[2 * P], y[2 * P];
+          load_n<Vectorized && (2 * P == V)>(in + 2 * j0, x);
+ROPE_UNROLL
+          for (int k = 0; k < P; ++k) {
+            A y1, y2;
+            rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
+            y[2 * k] = Store<T>::from(y1);
+            y[2 * k + 1] = Store<T>::from(y2);
+          }
+          store_n<Vectorized && (2 * P == V)>(out + 2 * j0, y);
+        } else {
+          T x1[P], x2[P], y1[P], y2[P];
+          load_n<Vectorized>(in + j0, x1);
+          load_n<Vectorized>(in + h + j0, x2);
+ROPE_UNROLL
+          for (int k = 0; k < P; ++k) {
+            A a, b;
+            rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
+            y1[k] = Store<T>::from(a);
+            y2[k] = Store<T>::from(b);
+          }
+          store_n<Vectorized>(out + j0, y1);
+          store_n<Vectorized>(out + h + j0, y2);
+        }
+      }
+    }
+  }
+}
+
+// Calls f.template operator()<T, CS, Pos, Interleaved, Vectorized>().
+template <class F>
+void dispatch_cuda(const RopeParams& p, bool vectorized, F&& f) {
+  dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
+    if (vectorized)
+      f.template operator()<T, CS, Pos, IL, true>();
+    else
+      f.template operator()<T, CS, Pos, IL, false>();
+  });
+}
+
+}  // namespace gpu
+}  // namespace rope

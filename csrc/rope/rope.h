@@ -1,0 +1,272 @@
+// Torch-free core of rope_ext: the parameter struct every kernel takes, the
+// element types, and the per-pair math shared by the CPU and CUDA kernels.
+//
+// Nothing here includes torch. Kernels receive raw pointers plus explicit
+// sizes and strides (in elements), so any layout whose last dim is contiguous
+// is rotated without a copy.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define ROPE_HD __host__ __device__ __forceinline__
+#define ROPE_UNROLL _Pragma("unroll")
+#else
+#define ROPE_HD inline
+#define ROPE_UNROLL
+#endif
+
+namespace rope {
+
+// Batch dims left after coalescing (token dims and head dims counted apart).
+constexpr int kMaxDims = 6;
+
+enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+// 16-bit storage types. The kernels only move their bits; all arithmetic
+// happens in float (double for float64 inputs).
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+// ---------------------------------------------------------------------------
+// Bit-exact conversions (round to nearest even), identical on host and device.
+
+ROPE_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+ROPE_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+ROPE_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+ROPE_HD uint16_t float_to_bf16(float f) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// IEEE half <-> float without F16C or CUDA intrinsics (exact, handles
+// subnormals, infinities and NaN).
+ROPE_HD float half_to_float(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t r =
+      sign | (two_w < (1u << 27) ? float_to_bits(denormalized) : float_to_bits(normalized));
+  return bits_to_float(r);
+}
+
+ROPE_HD uint16_t float_to_half(float f) {
+  float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = float_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_to_bits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// Arithmetic type: float for every storage type but double.
+template <class T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+
+ROPE_HD float to_acc(float v) { return v; }
+ROPE_HD double to_acc(double v) { return v; }
+ROPE_HD float to_acc(Half v) { return half_to_float(v.bits); }
+ROPE_HD float to_acc(BFloat16 v) { return bf16_to_float(v.bits); }
+
+template <class T>
+struct Store;
+template <>
+struct Store<float> {
+  ROPE_HD static float from(float v) { return v; }
+};
+template <>
+struct Store<double> {
+  ROPE_HD static double from(double v) { return v; }
+};
+template <>
+struct Store<Half> {
+  ROPE_HD static Half from(float v) { return Half{float_to_half(v)}; }
+};
+template <>
+struct Store<BFloat16> {
+  ROPE_HD static BFloat16 from(float v) { return BFloat16{float_to_bf16(v)}; }
+};
+
+// ---------------------------------------------------------------------------
+// The rotation of one feature pair (x1, x2) by the angle whose cosine and sine
+// are (c, s):  y1 = x1 c - x2 s,  y2 = x2 c + x1 s.  The inverse rotation (and
+// the gradient) is the same map with s negated.
+template <class A>
+ROPE_HD void rotate_pair(A x1, A x2, A c, A s, A& y1, A& y2) {
+  y1 = x1 * c - x2 * s;
+  y2 = x2 * c + x1 * s;
+}
+
+// Index of the two features of pair j within a head.
+//   half-split (GPT-NeoX, HF rotate_half): (j, j + rotary_dim/2)
+//   interleaved (GPT-J, RoFormer, complex form): (2j, 2j + 1)
+ROPE_HD void pair_index(bool interleaved, int j, int rotary_dim, int& i1, int& i2) {
+  i1 = interleaved ? 2 * j : j;
+  i2 = interleaved ? 2 * j + 1 : j + rotary_dim / 2;
+}
+
+// ---------------------------------------------------------------------------
+// Parameters.
+//
+// The batch dims of q and k (every dim but the last) are split in two groups:
+//   token dims: where positions vary; q and k have the same sizes there;
+//   head dims:  where positions are constant (broadcast); q and k may differ
+//               (GQA).
+// A kernel therefore reads one position and one cos/sin row per token and
+// reuses them for every head of q and k.
+
+struct RotTensor {
+  const void* in;  // [tokens..., heads..., head_dim], last dim contiguous
+  void* out;       // same shape; may equal `in` (in place)
+  int n_head_dims;
+  int64_t n_heads;  // product of head_size
+  int64_t head_size[kMaxDims];
+  int64_t in_head_stride[kMaxDims];
+  int64_t out_head_stride[kMaxDims];
+  int64_t in_tok_stride[kMaxDims];  // per token dim of RopeParams
+  int64_t out_tok_stride[kMaxDims];
+};
+
+struct RopeParams {
+  RotTensor t[2];  // q, then k (optional)
+  int n_tensors;
+
+  int n_tok_dims;
+  int64_t n_tokens;  // product of tok_size
+  int64_t tok_size[kMaxDims];
+
+  const void* positions;  // int32 or int64
+  int64_t pos_stride[kMaxDims];
+
+  const void* cos_sin;  // [n_cache_rows, rotary_dim]: cos for j < rotary_dim/2, then sin
+  int64_t cs_row_stride;
+  int64_t n_cache_rows;
+
+  int head_dim;
+  int rotary_dim;
+  bool interleaved;
+  bool inverse;
+
+  DType x_dtype;   // dtype of q and k (input and output)
+  DType cs_dtype;  // float32, or x_dtype
+  bool pos_int64;  // positions are int64 (else int32)
+};
+
+// Offsets of one token in positions, and in the input and output of each tensor.
+struct TokenOffsets {
+  int64_t pos;
+  int64_t in[2];
+  int64_t out[2];
+};
+
+ROPE_HD TokenOffsets token_offsets(const RopeParams& p, int64_t token) {
+  TokenOffsets o{0, {0, 0}, {0, 0}};
+  for (int d = p.n_tok_dims - 1; d >= 0; --d) {
+    const int64_t i = token % p.tok_size[d];
+    token /= p.tok_size[d];
+    o.pos += i * p.pos_stride[d];
+    for (int t = 0; t < 2; ++t) {
+      o.in[t] += i * p.t[t].in_tok_stride[d];
+      o.out[t] += i * p.t[t].out_tok_stride[d];
+    }
+  }
+  return o;
+}
+
+ROPE_HD void head_offsets(const RotTensor& t, int64_t head, int64_t& in, int64_t& out) {
+  in = 0;
+  out = 0;
+  for (int d = t.n_head_dims - 1; d >= 0; --d) {
+    const int64_t i = head % t.head_size[d];
+    head /= t.head_size[d];
+    in += i * t.in_head_stride[d];
+    out += i * t.out_head_stride[d];
+  }
+}
+
+template <class Pos>
+ROPE_HD int64_t load_position(const RopeParams& p, int64_t offset) {
+  return int64_t(static_cast<const Pos*>(p.positions)[offset]);
+}
+
+ROPE_HD bool position_in_cache(const RopeParams& p, int64_t pos) {
+  return pos >= 0 && pos < p.n_cache_rows;
+}
+
+// Calls f.template operator()<T, CS, Pos, Interleaved>() for the runtime types of p.
+template <class F>
+void dispatch_types(const RopeParams& p, F&& f) {
+  auto with_pairing = [&](auto t, auto cs, auto pos) {
+    using T = decltype(t);
+    using CS = decltype(cs);
+    using Pos = decltype(pos);
+    if (p.interleaved)
+      f.template operator()<T, CS, Pos, true>();
+    else
+      f.template operator()<T, CS, Pos, false>();
+  };
+  auto with_pos = [&](auto t, auto cs) {
+    if (p.pos_int64)
+      with_pairing(t, cs, int64_t{});
+    else
+      with_pairing(t, cs, int32_t{});
+  };
+  auto with_cs = [&](auto t) {
+    using T = decltype(t);
+    if (p.cs_dtype == DType::kFloat32)
+      with_pos(t, float{});
+    else
+      with_pos(t, T{});
+  };
+  switch (p.x_dtype) {
+    case DType::kFloat32:
+      return with_cs(float{});
+    case DType::kFloat64:
+      return with_cs(double{});
+    case DType::kFloat16:
+      return with_cs(Half{});
+    case DType::kBFloat16:
+      return with_cs(BFloat16{});
+  }
+}
+
+}  // namespace rope

@@ -1,0 +1,169 @@
+"""Python API of the rotary ops: typed wrappers, fake kernels and autograd.
+
+Shapes: ``x``, ``q``, ``k`` are ``[..., head_dim]`` (float32, float64, float16 or bfloat16) with a
+contiguous last dim and any other strides; ``positions`` is int32/int64, broadcastable to
+``x.shape[:-1]``; ``cos_sin`` is ``[P, rotary_dim]`` (cos half then sin half, float32 or x's dtype).
+Arithmetic is float32 (float64 for float64 inputs); outputs have x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (registers torch.ops.rope_ext.*)
+
+__all__ = ["apply_rotary", "apply_rotary_qk", "apply_rotary_qk_", "set_position_checks"]
+
+_ops = torch.ops.rope_ext
+_check_positions_on_device = False
+
+
+def set_position_checks(enabled: bool) -> None:
+    """Raise ``IndexError`` for out-of-cache positions on CUDA too.
+
+    CPU ops always check positions before writing. CUDA ops do not by default, since the check
+    synchronises with the device: a position outside ``[0, cos_sin.shape[0])`` then yields NaN in
+    that token's rotated features (never an out-of-bounds access). With checks enabled, eager calls
+    on CUDA check first (one synchronisation per call); compiled graphs are not affected.
+    """
+    global _check_positions_on_device
+    _check_positions_on_device = bool(enabled)
+
+
+def _require_tensor(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
+    if (
+        _check_positions_on_device
+        and positions.device.type != "cpu"
+        and positions.numel() > 0
+        and not torch.compiler.is_compiling()
+    ):
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin.shape[0]:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"positions must be in [0, cos_sin.shape[0]) = [0, {cos_sin.shape[0]}), got {bad}")
+
+
+def apply_rotary(
+    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+) -> Tensor:
+    """Rotate ``x [..., head_dim]`` by the angles of ``cos_sin[positions]``; returns a new tensor.
+
+    ``positions`` broadcasts to ``x.shape[:-1]``: ``[T, 1]`` for ``[T, H, D]``; ``[B, S, 1]`` or
+    ``[S, 1]`` for BSHD; ``[B, 1, S]`` for BHSD; ``[S, 1, 1]`` for ``[S, B, H, D]``. Features
+    ``>= rotary_dim = cos_sin.shape[-1]`` are copied unchanged. ``interleaved`` pairs ``(2j, 2j+1)``
+    instead of ``(j, j + rotary_dim/2)``; ``inverse`` rotates by the negative angle.
+    Differentiable in ``x`` (the gradient is the inverse rotation); ``positions`` and ``cos_sin``
+    get no gradient.
+    """
+    _require_tensor("x", x)
+    _require_tensor("positions", positions)
+    _require_tensor("cos_sin", cos_sin)
+    _pre_check(positions, cos_sin)
+    return _ops.rotary.default(x, positions, cos_sin, interleaved, inverse)
+
+
+def apply_rotary_qk(
+    q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Rotate ``q`` and ``k`` (same rank and head_dim, head counts may differ) in one launch.
+
+    ``positions`` broadcasts to both ``q.shape[:-1]`` and ``k.shape[:-1]``. Equal to two
+    :func:`apply_rotary` calls; differentiable in ``q`` and ``k``.
+    """
+    _require_tensor("q", q)
+    _require_tensor("k", k)
+    _require_tensor("positions", positions)
+    _require_tensor("cos_sin", cos_sin)
+    _pre_check(positions, cos_sin)
+    return _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False)
+
+
+def apply_rotary_qk_(
+    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False
+) -> None:
+    """Rotate ``q`` and ``k`` in place (``k`` may be None); no allocation, CUDA-graph safe.
+
+    Every argument is checked before anything is written: on error q and k are unchanged.
+    q and k must not overlap in memory, nor have elements that alias each other (expanded views).
+    Not differentiable (use :func:`apply_rotary_qk` in training).
+    """
+    _require_tensor("q", q)
+    _require_tensor("k", k, optional=True)
+    _require_tensor("positions", positions)
+    _require_tensor("cos_sin", cos_sin)
+    _pre_check(positions, cos_sin)
+    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake kernels (shapes only) for torch.compile / FakeTensor.
+
+
+def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
+    torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
+    torch._check(positions.dim() < x.dim(), lambda: "positions must broadcast to x.shape[:-1]")
+
+
+@torch.library.register_fake("rope_ext::rotary")
+def _rotary_fake(x, positions, cos_sin, interleaved=False, inverse=False):
+    _fake_checks(x, positions, cos_sin)
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("rope_ext::rotary_qk")
+def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
+    _fake_checks(q, positions, cos_sin)
+    _fake_checks(k, positions, cos_sin)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("rope_ext::rotary_qk_")
+def _rotary_qk_inplace_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
+    _fake_checks(q, positions, cos_sin)
+    if k is not None:
+        _fake_checks(k, positions, cos_sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: the gradient of a rotation is the inverse rotation (the same kernel with sin negated).
+
+
+def _last_dim_contiguous(g: Tensor) -> Tensor:
+    return g if g.shape[-1] <= 1 or g.stride(-1) == 1 else g.contiguous()
+
+
+def _setup(ctx, inputs, output):
+    positions, cos_sin, interleaved, inverse = inputs[-4:]
+    ctx.save_for_backward(positions, cos_sin)
+    ctx.interleaved = interleaved
+    ctx.inverse = inverse
+
+
+def _rotary_backward(ctx, grad):
+    positions, cos_sin = ctx.saved_tensors
+    dx = _ops.rotary.default(_last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, not ctx.inverse)
+    return dx, None, None, None, None
+
+
+def _rotary_qk_backward(ctx, grad_q, grad_k):
+    positions, cos_sin = ctx.saved_tensors
+    args = (positions, cos_sin, ctx.interleaved, not ctx.inverse)
+    if grad_q is not None and grad_k is not None:
+        dq, dk = _ops.rotary_qk.default(_last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), *args)
+    else:
+        dq = None if grad_q is None else _ops.rotary.default(_last_dim_contiguous(grad_q), *args)
+        dk = None if grad_k is None else _ops.rotary.default(_last_dim_contiguous(grad_k), *args)
+    return dq, dk, None, None, None, None
+
+
+torch.library.register_autograd("rope_ext::rotary", _rotary_backward, setup_context=_setup)
+torch.library.register_autograd("rope_ext::rotary_qk", _rotary_qk_backward, setup_context=_setup)

@@ -1,0 +1,121 @@
+"""Float64 reference implementations of the rotary map, written for clarity.
+
+Three independent forms of the same linear map (they agree to ~1e-15):
+
+* :func:`rotary_matrix`   - build the block-diagonal rotation ``R(p)`` and compute ``x R(p)``;
+* :func:`rotary_complex`  - view each pair as a complex number and multiply by ``e^{i a}``;
+* :func:`rotary_hadamard` - ``x * cos + rot(x) * sin`` element-wise.
+
+Each takes the arguments of :func:`rope_ext.apply_rotary` (``x [..., head_dim]``, integer ``positions``
+broadcastable to ``x.shape[:-1]``, ``cos_sin [P, rotary_dim]`` = cos half then sin half) and returns a
+float64 tensor of x's shape; features past ``rotary_dim`` are passed through. ``inverse=True`` rotates by
+the negative angle. Pairs are ``(j, j + rotary_dim/2)`` (half-split, GPT-NeoX / HF ``rotate_half``) or
+``(2j, 2j+1)`` when ``interleaved`` (GPT-J / RoFormer / complex form).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "inv_freq",
+    "cos_sin_table",
+    "rotary_matrix",
+    "rotary_complex",
+    "rotary_hadamard",
+    "rotate_half",
+]
+
+
+def inv_freq(rotary_dim: int, base: float = 10000.0) -> Tensor:
+    """``base ** (-2j / rotary_dim)`` for ``j < rotary_dim / 2``, float64 ``[rotary_dim / 2]``."""
+    return base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def cos_sin_table(n_positions: int, rotary_dim: int, base: float = 10000.0) -> Tensor:
+    """Float64 ``[n_positions, rotary_dim]``: ``cos(p inv_j)`` for ``j < rotary_dim/2``, then ``sin``."""
+    angles = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv_freq(rotary_dim, base)[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _cos_sin(x: Tensor, positions: Tensor, cos_sin: Tensor, inverse: bool) -> tuple[Tensor, Tensor]:
+    """Per-row cos and sin, float64 ``[*x.shape[:-1], rotary_dim / 2]``."""
+    rows = cos_sin.to(torch.float64)[positions.long()]
+    h = cos_sin.shape[-1] // 2
+    c, s = rows[..., :h], rows[..., h:]
+    if inverse:
+        s = -s
+    shape = (*x.shape[:-1], h)
+    return c.expand(shape), s.expand(shape)
+
+
+def _pairs(x: Tensor, rotary_dim: int, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """The two features of every pair, each ``[..., rotary_dim / 2]``."""
+    rot = x[..., :rotary_dim]
+    if interleaved:
+        return rot[..., 0::2], rot[..., 1::2]
+    return rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+
+
+def _unpairs(y1: Tensor, y2: Tensor, interleaved: bool) -> Tensor:
+    if interleaved:
+        return torch.stack([y1, y2], dim=-1).flatten(-2)
+    return torch.cat([y1, y2], dim=-1)
+
+
+def _with_pass(x: Tensor, rotated: Tensor, rotary_dim: int) -> Tensor:
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+
+
+def rotary_matrix(
+    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+) -> Tensor:
+    """Rotation-matrix form: ``x' = x R(p)`` with ``R(p)`` block-diagonal 2x2 rotations (RoFormer)."""
+    x = x.to(torch.float64)
+    r = cos_sin.shape[-1]
+    c, s = _cos_sin(x, positions, cos_sin, inverse)
+    R = torch.zeros(*x.shape[:-1], r, r, dtype=torch.float64)
+    j = torch.arange(r // 2)
+    i1, i2 = (2 * j, 2 * j + 1) if interleaved else (j, j + r // 2)
+    # Row-vector convention: y[i1] = x[i1] c - x[i2] s, y[i2] = x[i1] s + x[i2] c.
+    R[..., i1, i1] = c
+    R[..., i2, i1] = -s
+    R[..., i1, i2] = s
+    R[..., i2, i2] = c
+    rotated = (x[..., None, :r] @ R).squeeze(-2)
+    return _with_pass(x, rotated, r)
+
+
+def rotary_complex(
+    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+) -> Tensor:
+    """Complex form: pair ``j`` is ``z_j = x1 + i x2`` and ``z_j' = z_j e^{i a_j}`` (Meta's Llama)."""
+    x = x.to(torch.float64)
+    r = cos_sin.shape[-1]
+    c, s = _cos_sin(x, positions, cos_sin, inverse)
+    x1, x2 = _pairs(x, r, interleaved)
+    z = torch.view_as_complex(torch.stack([x1, x2], dim=-1).contiguous())
+    w = torch.view_as_complex(torch.stack([c, s], dim=-1).contiguous())
+    y = torch.view_as_real(z * w)
+    return _with_pass(x, _unpairs(y[..., 0], y[..., 1], interleaved), r)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """HF's ``rotate_half``: ``(x1, x2) -> (-x2, x1)`` on the two halves of the last dim."""
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def rotary_hadamard(
+    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+) -> Tensor:
+    """Element-wise form: ``x' = x * cos + rot(x) * sin``, ``rot`` swapping each pair with a sign."""
+    x = x.to(torch.float64)
+    r = cos_sin.shape[-1]
+    c, s = _cos_sin(x, positions, cos_sin, inverse)
+    x1, x2 = _pairs(x, r, interleaved)
+    cos = _unpairs(c, c, interleaved)
+    sin = _unpairs(s, s, interleaved)
+    rot = _unpairs(-x2, x1, interleaved)
+    return _with_pass(x, x[..., :r] * cos + rot * sin, r)

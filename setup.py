@@ -1,0 +1,50 @@
+"""Build of the rope_ext op library (CPU, plus CUDA when torch and nvcc have it).
+
+Environment:
+  ROPE_EXT_CPU_ONLY=1       build without the CUDA kernels even when nvcc is found
+  TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else "8.0;9.0+PTX"
+  CUDA_HOME                 CUDA toolkit; default /usr/local/cuda when it exists
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+# torch guesses CUDA_HOME from the nvcc on PATH when import time comes; point it
+# at the toolkit folder first (the nvcc on PATH may be a wrapper script).
+if not os.environ.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+
+def want_cuda() -> bool:
+    if os.environ.get("ROPE_EXT_CPU_ONLY") == "1" or torch.version.cuda is None:
+        return False
+    home = cpp_extension.CUDA_HOME
+    return bool(home) and (os.path.exists(os.path.join(home, "bin", "nvcc")) or shutil.which("nvcc"))
+
+
+def extension():
+    cxx = ["-O3", "-std=c++20", "-fno-fast-math"]
+    sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/rope/*.cpp"))
+    if want_cuda():
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+        nvcc = ["-O3", "-std=c++20", "--fmad=true", "-lineinfo"]
+        return cpp_extension.CUDAExtension(
+            "rope_ext._C",
+            sources + sorted(glob.glob("csrc/ops/*.cu")),
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            py_limited_api=False,
+        )
+    return cpp_extension.CppExtension("rope_ext._C", sources, extra_compile_args={"cxx": cxx})
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
