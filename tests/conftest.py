@@ -1,0 +1,57 @@
+"""Shared helpers for the test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import reference
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of `dtype` at each value of the float64 tensor `t` (one unit in the last place)."""
+    finfo = torch.finfo(dtype)
+    mag = t.abs().clamp_min(finfo.smallest_normal)
+    exp = torch.floor(torch.log2(mag))
+    return torch.exp2(exp - finfo.nmant)
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:
+    """The project's accuracy contract against the float64 reference (same cos_sin):
+
+    * float32 / float64: |out - ref| <= 1e-6 * max|x| (fp32 arithmetic on values of size max|x|
+      accumulates a few ulps of 2^-24 ~ 6e-8, well inside 1e-6);
+    * float16 / bfloat16: |out - ref| <= one ulp of the output dtype at the reference value (the
+      fp32 result is within ~1e-7 relative of the reference, so rounding to nearest gives <= 1/2 ulp,
+      plus a margin for results next to a binade boundary).
+    """
+    assert out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    if out.dtype in (torch.float32, torch.float64):
+        tol = 1e-6 * max(x_max, 1e-30)
+        assert err.max().item() <= tol, f"max error {err.max().item():.3g} > {tol:.3g}"
+    else:
+        tol = ulp(ref, out.dtype)
+        bad = err > tol
+        assert not bad.any(), (
+            f"{int(bad.sum())} elements off by more than 1 ulp; worst {err.max().item():.3g} "
+            f"at ref {ref.flatten()[err.flatten().argmax()].item():.6g}"
+        )
+
+
+@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
+def make_cos_sin(n_positions: int, rotary_dim: int, base: float = 10000.0, device="cpu", dtype=torch.float32):
+    return rope_ext.RopeCache(rotary_dim, base, max_positions=n_positions, device=device, dtype=dtype).cos_sin
+
+
+__all__ = ["DTYPES", "HAS_CUDA", "assert_close_to_reference", "make_cos_sin", "reference", "ulp"]
