@@ -1064,7 +1064,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "memory bandwidth.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--preset", default="llama-3-8b", help="comma-separated model presets, or 'all' (see --list)")
+    ap.add_argument(
+        "--preset",
+        default=None,
+        help="comma-separated model presets, or 'all' (see --list); default llama-3-8b unless --shape is given",
+    )
     ap.add_argument("--shape", action="append", default=[], help="custom shape Q,KV,D[,R] (repeatable)")
     ap.add_argument("--base", type=float, default=1e4, help="rope base for --shape")
     ap.add_argument(
@@ -1104,6 +1108,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         a.dtype, a.pairing, a.mode = "fp32", "model", "inplace,out"
         a.rounds, a.min_run_time = 3, 0.1
     presets: list[Preset] = []
+    if a.preset is None and not a.shape:
+        a.preset = "llama-3-8b"
     if a.preset:
         names = list(PRESETS) if a.preset == "all" else [n.strip() for n in a.preset.split(",") if n.strip()]
         for n in names:
@@ -1111,8 +1117,6 @@ def config_from_args(a: argparse.Namespace) -> Config:
                 raise SystemExit(f"unknown preset {n!r}; known: {', '.join(PRESETS)}")
             presets.append(PRESETS[n])
     if a.shape:
-        if a.preset == "llama-3-8b" and "--preset" not in sys.argv:
-            presets = []  # --shape alone replaces the default preset
         presets += [_custom_preset(s, a.base) for s in a.shape]
     dtypes = []
     for d in a.dtype.split(","):

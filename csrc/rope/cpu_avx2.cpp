@@ -6,6 +6,8 @@
 #include <immintrin.h>
 #endif
 
+#include <type_traits>
+
 #include "cpu_kernel.h"
 
 namespace rope {
@@ -41,22 +43,102 @@ inline void store8(BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
+// bf16 <-> fp32 sixteen lanes at a time without cross-lane shuffles: interleaving
+// zero words below the bf16 words (unpacklo/unpackhi) widens elements
+// {0-3, 8-11} into one vector and {4-7, 12-15} into the other; packus of the
+// two rounded halves restores the memory order. The cos/sin lanes that go
+// with them come from a copy of the table in the same order (finish_table).
+inline void load16(const BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
+
+// float -> bf16 bits in the low half of each 32-bit lane (round to nearest
+// even, NaN kept quiet): the vector form of float_to_bf16.
+inline __m256i round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, is_nan), 16);
+}
+
+inline void store16(BFloat16* p, __m256 lo, __m256 hi) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_packus_epi32(round_bf16(lo), round_bf16(hi)));
+}
+
+// Index, within a block of 16, of the element that lane k of load16's
+// (lo, hi) pair holds.
+constexpr int lane16(int k) { return k < 4 ? k : k < 8 ? k + 4 : k < 12 ? k - 4 : k; }
+
 struct Avx2Head {
-  // float / Half / BFloat16: eight lanes at a time, scalar tail.
+  // Standard table (ScalarHead's) in [0, 2r), the same in load16's lane order
+  // in [2r, 4r) (used by bf16 only).
+  static constexpr int kTabPerFeature = 4;
+
+  template <class T, bool Interleaved, class A>
+  static void finish_table(A* tab, int r) {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      // Both layouts are a c part [0, n) and an s part [n, 2n).
+      const int n = Interleaved ? r : r / 2;
+      A* perm = tab + 2 * r;
+      for (int part = 0; part < 2 * n; part += n) {
+        int b = 0;
+        for (; b + 16 <= n; b += 16)
+          for (int k = 0; k < 16; ++k) perm[part + b + k] = tab[part + b + lane16(k)];
+        for (; b < n; ++b) perm[part + b] = tab[part + b];
+      }
+    }
+  }
+
+  // float / Half / BFloat16: sixteen (bf16) or eight lanes at a time, scalar tail.
   template <class T, bool Interleaved, class A>
   static void rotate(const T* in, T* out, const float* tab, int r, int D, bool copy_pass) {
     const int h = r / 2;
-    int j = 0;
+    int j = 0;  // pairs done
     if (Interleaved) {
       // x = (a0 b0 a1 b1 ..): y = x * (c0 c0 c1 c1 ..) + swap(x) * (-s0 s0 -s1 s1 ..)
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        const float* tp = tab + 2 * r;
+        for (; 2 * j + 16 <= r; j += 8) {
+          const int i = 2 * j;
+          __m256 lo, hi;
+          load16(in + i, lo, hi);
+          const __m256 ylo = _mm256_fmadd_ps(
+              lo, _mm256_loadu_ps(tp + i),
+              _mm256_mul_ps(_mm256_permute_ps(lo, 0xB1), _mm256_loadu_ps(tp + r + i)));
+          const __m256 yhi = _mm256_fmadd_ps(
+              hi, _mm256_loadu_ps(tp + i + 8),
+              _mm256_mul_ps(_mm256_permute_ps(hi, 0xB1), _mm256_loadu_ps(tp + r + i + 8)));
+          store16(out + i, ylo, yhi);
+        }
+      }
       for (; 2 * j + 8 <= r; j += 4) {
         const __m256 x = load8(in + 2 * j);
         const __m256 xs = _mm256_permute_ps(x, 0xB1);
-        const __m256 y =
-            _mm256_fmadd_ps(x, _mm256_loadu_ps(tab + 2 * j), _mm256_mul_ps(xs, _mm256_loadu_ps(tab + r + 2 * j)));
+        const __m256 y = _mm256_fmadd_ps(x, _mm256_loadu_ps(tab + 2 * j),
+                                         _mm256_mul_ps(xs, _mm256_loadu_ps(tab + r + 2 * j)));
         store8(out + 2 * j, y);
       }
     } else {
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        const float* tp = tab + 2 * r;
+        for (; j + 16 <= h; j += 16) {
+          __m256 x1l, x1h, x2l, x2h;
+          load16(in + j, x1l, x1h);
+          load16(in + h + j, x2l, x2h);
+          const __m256 cl = _mm256_loadu_ps(tp + j), ch = _mm256_loadu_ps(tp + j + 8);
+          const __m256 sl = _mm256_loadu_ps(tp + h + j), sh = _mm256_loadu_ps(tp + h + j + 8);
+          store16(out + j, _mm256_fmsub_ps(x1l, cl, _mm256_mul_ps(x2l, sl)),
+                  _mm256_fmsub_ps(x1h, ch, _mm256_mul_ps(x2h, sh)));
+          store16(out + h + j, _mm256_fmadd_ps(x2l, cl, _mm256_mul_ps(x1l, sl)),
+                  _mm256_fmadd_ps(x2h, ch, _mm256_mul_ps(x1h, sh)));
+        }
+      }
       for (; j + 8 <= h; j += 8) {
         const __m256 x1 = load8(in + j);
         const __m256 x2 = load8(in + h + j);
@@ -70,7 +152,8 @@ struct Avx2Head {
   }
   // float64: the portable loop, compiled for AVX2.
   template <class T, bool Interleaved, class A>
-  static void rotate(const double* in, double* out, const double* tab, int r, int D, bool copy_pass) {
+  static void rotate(const double* in, double* out, const double* tab, int r, int D,
+                     bool copy_pass) {
     ScalarHead::rotate<double, Interleaved, double>(in, out, tab, r, D, copy_pass);
   }
 };

@@ -19,11 +19,20 @@ const char* isa();
 
 namespace detail {
 
+// Table layout of ScalarHead (and the start of every Head's table).
+struct ScalarTable {
+  // Floats of table per rotary feature: the table has kTabPerFeature * rotary_dim entries.
+  static constexpr int kTabPerFeature = 2;
+  // Extra layouts a Head derives from the standard table (none here).
+  template <class T, bool Interleaved, class A>
+  static void finish_table(A*, int) {}
+};
+
 // Portable rotation of one head; `tab` holds, per token,
 //   half-split:  c[0..h), s[0..h)                       (h = rotary_dim/2)
 //   interleaved: c duplicated per element [0..r), then (-s, +s) per pair [r..2r)
 // with the sign of s already flipped for the inverse rotation.
-struct ScalarHead {
+struct ScalarHead : ScalarTable {
   template <class T, bool Interleaved, class A>
   static void rotate(const T* in, T* out, const A* tab, int r, int D, bool copy_pass,
                      int j_begin = 0) {
@@ -42,13 +51,36 @@ struct ScalarHead {
   }
 };
 
+// Offsets of the heads of one tensor, walked in order without divisions.
+struct HeadWalker {
+  const RotTensor& t;
+  int64_t idx[kMaxDims] = {};
+  int64_t in = 0, out = 0;
+
+  explicit HeadWalker(const RotTensor& t_) : t(t_) {}
+  // Moves to the next head (odometer over the head dims, innermost last).
+  void next() {
+    for (int d = t.n_head_dims - 1; d >= 0; --d) {
+      in += t.in_head_stride[d];
+      out += t.out_head_stride[d];
+      if (++idx[d] < t.head_size[d]) return;
+      in -= t.in_head_stride[d] * t.head_size[d];
+      out -= t.out_head_stride[d] * t.head_size[d];
+      idx[d] = 0;
+    }
+  }
+};
+
+// Rotates tokens [begin, end): per token, one position and one cos/sin row are
+// read and turned into `tab` (sign of sin flipped for the inverse), then every
+// head of q and k is rotated with it by Head::rotate.
 template <class T, class CS, class Pos, bool Interleaved, class Head>
 void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   using A = typename Acc<T>::type;
   const int r = p.rotary_dim;
   const int h = r / 2;
   const int D = p.head_dim;
-  std::vector<A> tab(2 * size_t(r));
+  std::vector<A> tab(size_t(Head::kTabPerFeature) * size_t(r));
   const CS* cs = static_cast<const CS*>(p.cos_sin);
   const A sign = p.inverse ? A(-1) : A(1);
 
@@ -72,17 +104,24 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
           tab[h + j] = s;
         }
       }
+      Head::template finish_table<T, Interleaved, A>(tab.data(), r);
     }
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
       const T* in = static_cast<const T*>(t.in) + o.in[ti];
       T* out = static_cast<T*>(t.out) + o.out[ti];
       const bool copy_pass = t.in != t.out;
-      for (int64_t head = 0; head < t.n_heads; ++head) {
-        int64_t hin, hout;
-        head_offsets(t, head, hin, hout);
-        Head::template rotate<T, Interleaved, A>(in + hin, out + hout, tab.data(), r, D,
-                                                 copy_pass);
+      if (t.n_head_dims <= 1) {
+        const int64_t si = t.n_head_dims ? t.in_head_stride[0] : 0;
+        const int64_t so = t.n_head_dims ? t.out_head_stride[0] : 0;
+        for (int64_t head = 0; head < t.n_heads; ++head)
+          Head::template rotate<T, Interleaved, A>(in + head * si, out + head * so, tab.data(), r,
+                                                   D, copy_pass);
+      } else {
+        HeadWalker w(t);
+        for (int64_t head = 0; head < t.n_heads; ++head, w.next())
+          Head::template rotate<T, Interleaved, A>(in + w.in, out + w.out, tab.data(), r, D,
+                                                   copy_pass);
       }
     }
   }
