@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #endif
 
+#include <limits>
 #include <type_traits>
 
 #include "cpu_kernel.h"
@@ -43,38 +44,47 @@ inline void store8(BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
-// bf16 <-> fp32 sixteen lanes at a time without cross-lane shuffles: interleaving
-// zero words below the bf16 words (unpacklo/unpackhi) widens elements
-// {0-3, 8-11} into one vector and {4-7, 12-15} into the other; packus of the
-// two rounded halves restores the memory order. The cos/sin lanes that go
-// with them come from a copy of the table in the same order (finish_table).
+// bf16 <-> fp32 sixteen lanes at a time, with no shuffle at all: in each
+// 32-bit word of a 16-element load, the even element is the low half and the
+// odd element the high half, so a shift widens the even elements and a mask
+// the odd ones (lo = elements 0, 2, .., 14; hi = 1, 3, .., 15), and a word
+// blend puts the two rounded halves back. The cos/sin lanes that go with them
+// come from a copy of the table in the same order (finish_table). Shifts and
+// shuffles share few ports on AVX2 machines; this path uses four shifts per 32
+// elements and no shuffle.
 inline void load16(const BFloat16* p, __m256& lo, __m256& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i z = _mm256_setzero_si256();
-  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
-  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
 }
 
-// float -> bf16 bits in the low half of each 32-bit lane (round to nearest
-// even, NaN kept quiet): the vector form of float_to_bf16.
+// float bits + rounding bias, so that the high half is the float rounded to
+// bf16, to nearest even: u + 0x7fff + (bit 16 of u), with the parity bit
+// tested by a compare instead of a shift. This is float_to_bf16 for values
+// that are not NaN, and for NaN with a zero low half (then the bias cannot
+// carry into the exponent, and the quiet bit, which arithmetic always sets,
+// is kept). The 16-lane paths only produce those: bf16 inputs have a zero low
+// half, and finish_table replaces every NaN of the table by the canonical
+// quiet NaN.
 inline __m256i round_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, is_nan), 16);
+  const __m256i even = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x10000)),
+                                          _mm256_setzero_si256());  // -1 where bit 16 is 0
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), even);
 }
 
 inline void store16(BFloat16* p, __m256 lo, __m256 hi) {
+  const __m256i l = _mm256_srli_epi32(round_bf16(lo), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm256_packus_epi32(round_bf16(lo), round_bf16(hi)));
+                      _mm256_blend_epi16(l, round_bf16(hi), 0xAA));
 }
 
 // Index, within a block of 16, of the element that lane k of load16's
 // (lo, hi) pair holds.
-constexpr int lane16(int k) { return k < 4 ? k : k < 8 ? k + 4 : k < 12 ? k - 4 : k; }
+constexpr int lane16(int k) { return k < 8 ? 2 * k : 2 * (k - 8) + 1; }
 
+// R: the rotary dim when known at compile time (loops fully unrolled), else 0.
+template <int R>
 struct Avx2Head {
   // Standard table (ScalarHead's) in [0, 2r), the same in load16's lane order
   // in [2r, 4r) (used by bf16 only).
@@ -89,7 +99,10 @@ struct Avx2Head {
       for (int part = 0; part < 2 * n; part += n) {
         int b = 0;
         for (; b + 16 <= n; b += 16)
-          for (int k = 0; k < 16; ++k) perm[part + b + k] = tab[part + b + lane16(k)];
+          for (int k = 0; k < 16; ++k) {
+            const A v = tab[part + b + lane16(k)];
+            perm[part + b + k] = v == v ? v : std::numeric_limits<A>::quiet_NaN();
+          }
         for (; b < n; ++b) perm[part + b] = tab[part + b];
       }
     }
@@ -97,7 +110,8 @@ struct Avx2Head {
 
   // float / Half / BFloat16: sixteen (bf16) or eight lanes at a time, scalar tail.
   template <class T, bool Interleaved, class A>
-  static void rotate(const T* in, T* out, const float* tab, int r, int D, bool copy_pass) {
+  static void rotate(const T* in, T* out, const float* tab, int r_, int D, bool copy_pass) {
+    const int r = R ? R : r_;
     const int h = r / 2;
     int j = 0;  // pairs done
     if (Interleaved) {
@@ -107,13 +121,11 @@ struct Avx2Head {
         for (; 2 * j + 16 <= r; j += 8) {
           const int i = 2 * j;
           __m256 lo, hi;
-          load16(in + i, lo, hi);
-          const __m256 ylo = _mm256_fmadd_ps(
-              lo, _mm256_loadu_ps(tp + i),
-              _mm256_mul_ps(_mm256_permute_ps(lo, 0xB1), _mm256_loadu_ps(tp + r + i)));
-          const __m256 yhi = _mm256_fmadd_ps(
-              hi, _mm256_loadu_ps(tp + i + 8),
-              _mm256_mul_ps(_mm256_permute_ps(hi, 0xB1), _mm256_loadu_ps(tp + r + i + 8)));
+          load16(in + i, lo, hi);  // lo: first feature of pairs j..j+7, hi: second
+          const __m256 ylo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(tp + i),
+                                             _mm256_mul_ps(hi, _mm256_loadu_ps(tp + r + i)));
+          const __m256 yhi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(tp + i + 8),
+                                             _mm256_mul_ps(lo, _mm256_loadu_ps(tp + r + i + 8)));
           store16(out + i, ylo, yhi);
         }
       }
@@ -160,7 +172,15 @@ struct Avx2Head {
 
 void rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
   dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
-    rotate_tokens_impl<T, CS, Pos, IL, Avx2Head>(p, begin, end);
+    // The rotary dims of most models get fully unrolled head loops.
+    switch (p.rotary_dim) {
+      case 64:
+        return rotate_tokens_impl<T, CS, Pos, IL, Avx2Head<64>>(p, begin, end);
+      case 128:
+        return rotate_tokens_impl<T, CS, Pos, IL, Avx2Head<128>>(p, begin, end);
+      default:
+        return rotate_tokens_impl<T, CS, Pos, IL, Avx2Head<0>>(p, begin, end);
+    }
   });
 }
 
