@@ -69,3 +69,18 @@ def test_multiple_head_dims_and_strides():
         out = rope_ext.apply_rotary(x, pos, cs, interleaved=il)
         ref = reference.rotary_hadamard(x, pos, cs, interleaved=il)
         assert_close_to_reference(out, ref, float(x.abs().max()))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_nan_in_cos_sin_stays_nan_in_bf16(interleaved):
+    """A NaN of any payload in a float32 cos/sin row gives NaN (never inf or a number) in bf16 outputs."""
+    cs = make_cos_sin(8, 64).clone()
+    cs.view(torch.int32)[3, 5] = 0x7FFFFFFF  # NaN whose rounding bias would carry into the sign
+    cs.view(torch.int32)[3, 32 + 7] = -1  # 0xFFFFFFFF, a negative NaN
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    pos = torch.tensor([[3], [1]])
+    for inverse in (False, True):
+        out = rope_ext.apply_rotary(x, pos, cs, interleaved=interleaved, inverse=inverse).float()
+        ref = rope_ext.apply_rotary(x.float(), pos, cs, interleaved=interleaved, inverse=inverse)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert out[0].isnan().any() and not out[1].isnan().any()

@@ -49,7 +49,7 @@ inline void store8(BFloat16* p, __m256 v) {
 // odd element the high half, so a shift widens the even elements and a mask
 // the odd ones (lo = elements 0, 2, .., 14; hi = 1, 3, .., 15), and a word
 // blend puts the two rounded halves back. The cos/sin lanes that go with them
-// come from a copy of the table in the same order (finish_table). Shifts and
+// come from a copy of the table in the same order (build_table). Shifts and
 // shuffles share few ports on AVX2 machines; this path uses four shifts per 32
 // elements and no shuffle.
 inline void load16(const BFloat16* p, __m256& lo, __m256& hi) {
@@ -64,7 +64,7 @@ inline void load16(const BFloat16* p, __m256& lo, __m256& hi) {
 // that are not NaN, and for NaN with a zero low half (then the bias cannot
 // carry into the exponent, and the quiet bit, which arithmetic always sets,
 // is kept). The 16-lane paths only produce those: bf16 inputs have a zero low
-// half, and finish_table replaces every NaN of the table by the canonical
+// half, and build_table replaces every NaN of the table by the canonical
 // quiet NaN.
 inline __m256i round_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
@@ -85,16 +85,73 @@ constexpr int lane16(int k) { return k < 8 ? 2 * k : 2 * (k - 8) + 1; }
 
 // R: the rotary dim when known at compile time (loops fully unrolled), else 0.
 template <int R>
-struct Avx2Head {
+struct Avx2Head : ScalarTable {
   // Standard table (ScalarHead's) in [0, 2r), the same in load16's lane order
   // in [2r, 4r) (used by bf16 only).
   static constexpr int kTabPerFeature = 4;
 
-  template <class T, bool Interleaved, class A>
-  static void finish_table(A* tab, int r) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
+  // The standard table, plus for bf16 the copy in load16's lane order, with
+  // NaN made canonical (see round_bf16). Vector code for float cos/sin rows
+  // whose halves are whole vectors (all models'); the portable loop otherwise.
+  template <class T, class CS, bool Interleaved, class A>
+  static void build_table(const CS* row, A sign, A* tab, int r_) {
+    const int r = R ? R : r_;
+    const int h = r / 2;
+    constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
+    if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
+      if (h % 8 == 0 && (!kBf16 || h % 16 == 0 || Interleaved)) {
+        const __m256 sg = _mm256_set1_ps(sign);
+        const __m256 qnan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+        // NaN -> canonical quiet NaN (only needed in the bf16 copy).
+        auto canon = [&](__m256 v) {
+          return kBf16 ? _mm256_blendv_ps(v, qnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)) : v;
+        };
+        float* perm = tab + 2 * r;
+        for (int j = 0; j < h; j += 8) {
+          const __m256 c = _mm256_loadu_ps(row + j);
+          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + h + j), sg);
+          if (Interleaved) {
+            // c0 c0 c1 c1 .. and -s0 s0 -s1 s1 ..
+            const __m256 ns = _mm256_sub_ps(_mm256_setzero_ps(), s);
+            const __m256 clo = _mm256_unpacklo_ps(c, c), chi = _mm256_unpackhi_ps(c, c);
+            const __m256 slo = _mm256_unpacklo_ps(ns, s), shi = _mm256_unpackhi_ps(ns, s);
+            _mm256_storeu_ps(tab + 2 * j, _mm256_permute2f128_ps(clo, chi, 0x20));
+            _mm256_storeu_ps(tab + 2 * j + 8, _mm256_permute2f128_ps(clo, chi, 0x31));
+            _mm256_storeu_ps(tab + r + 2 * j, _mm256_permute2f128_ps(slo, shi, 0x20));
+            _mm256_storeu_ps(tab + r + 2 * j + 8, _mm256_permute2f128_ps(slo, shi, 0x31));
+            if (kBf16) {
+              // lo lanes: first features of pairs j..j+7; hi lanes: second features.
+              _mm256_storeu_ps(perm + 2 * j, canon(c));
+              _mm256_storeu_ps(perm + 2 * j + 8, canon(c));
+              _mm256_storeu_ps(perm + r + 2 * j, canon(ns));
+              _mm256_storeu_ps(perm + r + 2 * j + 8, canon(s));
+            }
+          } else {
+            _mm256_storeu_ps(tab + j, c);
+            _mm256_storeu_ps(tab + h + j, s);
+          }
+        }
+        if (kBf16 && !Interleaved) {
+          // Blocks of 16 pairs: even pairs, then odd pairs.
+          for (int part = 0; part < r; part += h)
+            for (int j = 0; j < h; j += 16) {
+              const __m256 a = _mm256_loadu_ps(tab + part + j);
+              const __m256 b = _mm256_loadu_ps(tab + part + j + 8);
+              const __m256 ev = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                  _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+              const __m256 od = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                  _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+              _mm256_storeu_ps(perm + part + j, canon(ev));
+              _mm256_storeu_ps(perm + part + j + 8, canon(od));
+            }
+        }
+        return;
+      }
+    }
+    ScalarTable::build_table<T, CS, Interleaved, A>(row, sign, tab, r);
+    if constexpr (kBf16) {
       // Both layouts are a c part [0, n) and an s part [n, 2n).
-      const int n = Interleaved ? r : r / 2;
+      const int n = Interleaved ? r : h;
       A* perm = tab + 2 * r;
       for (int part = 0; part < 2 * n; part += n) {
         int b = 0;
@@ -110,7 +167,8 @@ struct Avx2Head {
 
   // float / Half / BFloat16: sixteen (bf16) or eight lanes at a time, scalar tail.
   template <class T, bool Interleaved, class A>
-  static void rotate(const T* in, T* out, const float* tab, int r_, int D, bool copy_pass) {
+  __attribute__((always_inline)) static void rotate(const T* in, T* out, const float* tab, int r_,
+                                                    int D, bool copy_pass) {
     const int r = R ? R : r_;
     const int h = r / 2;
     int j = 0;  // pairs done

@@ -19,13 +19,28 @@ const char* isa();
 
 namespace detail {
 
-// Table layout of ScalarHead (and the start of every Head's table).
+// Table of ScalarHead: built per token from one cos/sin row (layout below).
 struct ScalarTable {
   // Floats of table per rotary feature: the table has kTabPerFeature * rotary_dim entries.
   static constexpr int kTabPerFeature = 2;
-  // Extra layouts a Head derives from the standard table (none here).
-  template <class T, bool Interleaved, class A>
-  static void finish_table(A*, int) {}
+
+  // Fills tab from `row` (cos half, then sin half); sin is multiplied by `sign`.
+  template <class T, class CS, bool Interleaved, class A>
+  static void build_table(const CS* row, A sign, A* tab, int r) {
+    const int h = r / 2;
+    for (int j = 0; j < h; ++j) {
+      const A c = A(to_acc(row[j]));
+      const A s = sign * A(to_acc(row[h + j]));
+      if (Interleaved) {
+        tab[2 * j] = tab[2 * j + 1] = c;
+        tab[r + 2 * j] = -s;
+        tab[r + 2 * j + 1] = s;
+      } else {
+        tab[j] = c;
+        tab[h + j] = s;
+      }
+    }
+  }
 };
 
 // Portable rotation of one head; `tab` holds, per token,
@@ -78,7 +93,6 @@ template <class T, class CS, class Pos, bool Interleaved, class Head>
 void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   using A = typename Acc<T>::type;
   const int r = p.rotary_dim;
-  const int h = r / 2;
   const int D = p.head_dim;
   std::vector<A> tab(size_t(Head::kTabPerFeature) * size_t(r));
   const CS* cs = static_cast<const CS*>(p.cos_sin);
@@ -91,20 +105,8 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       // Never read outside the cache: the rotated features become NaN.
       std::fill(tab.begin(), tab.end(), std::numeric_limits<A>::quiet_NaN());
     } else {
-      const CS* row = cs + pos * p.cs_row_stride;
-      for (int j = 0; j < h; ++j) {
-        const A c = A(to_acc(row[j]));
-        const A s = sign * A(to_acc(row[h + j]));
-        if (Interleaved) {
-          tab[2 * j] = tab[2 * j + 1] = c;
-          tab[r + 2 * j] = -s;
-          tab[r + 2 * j + 1] = s;
-        } else {
-          tab[j] = c;
-          tab[h + j] = s;
-        }
-      }
-      Head::template finish_table<T, Interleaved, A>(tab.data(), r);
+      Head::template build_table<T, CS, Interleaved, A>(cs + pos * p.cs_row_stride, sign,
+                                                         tab.data(), r);
     }
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
