@@ -29,7 +29,10 @@ def want_cuda() -> bool:
 
 
 def extension():
-    cxx = ["-O3", "-std=c++20", "-fno-fast-math"]
+    # -fopenmp: at::parallel_for is inline OpenMP code from the ATen headers; without the flag it
+    # compiles to a serial loop. libgomp.so.1 resolves to the one torch has already loaded.
+    cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-fopenmp"]
+    link = ["-fopenmp"]
     sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/rope/*.cpp"))
     if want_cuda():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -39,9 +42,12 @@ def extension():
             "rope_ext._C",
             sources + sorted(glob.glob("csrc/ops/*.cu")),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=link,
             py_limited_api=False,
         )
-    return cpp_extension.CppExtension("rope_ext._C", sources, extra_compile_args={"cxx": cxx})
+    return cpp_extension.CppExtension(
+        "rope_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
+    )
 
 
 setup(

@@ -16,10 +16,10 @@ read per token. GB/s = bytes / median time.
 
 Ceilings, measured in the same run on the same number of q and k bytes:
 
-* ``stream in-place``: ``a.mul_(1.0)``, ``b.mul_(1.0)`` on float32 buffers of q's and k's byte sizes
-  (the in-place streaming bandwidth; dtype-independent);
+* ``stream in-place``: ``a.mul_(1.0)`` on one float32 buffer of q's plus k's bytes (the in-place
+  streaming bandwidth; dtype-independent);
 * ``clone``: ``q.clone()``, ``k.clone()`` (fresh outputs: the floor for any op that returns new tensors);
-* ``copy into``: ``qb.copy_(q)``, ``kb.copy_(k)`` into existing buffers (for reference);
+* ``copy into``: ``a.copy_(b)`` between float32 buffers of q's plus k's bytes (for reference);
 * ``no-op call``: a registered op with the schema of ``rope_ext::rotary_qk_`` whose kernel does nothing,
   called through ``torch.ops`` from Python: the cost of a call, to judge small (decode) workloads.
 
@@ -529,20 +529,23 @@ def noop_op() -> Callable[..., None]:
 
 
 def ceilings(case: Case) -> dict[str, Callable[[], Any]]:
-    """Reference operations over the bytes of q and k (see the module docstring)."""
+    """Reference operations over the bytes of q and k (see the module docstring).
+
+    The streaming ceilings use one float32 buffer of q's plus k's bytes (one parallel region per call,
+    as the rotary op itself), so they measure the machine, not torch's kernels for a dtype.
+    """
     nq, nk = case.qk_bytes()
     dev = case.device
-    a = torch.ones(nq // 4, device=dev)
-    b = torch.ones(max(nk // 4, 1), device=dev)
+    a = torch.ones(max((nq + nk) // 4, 1), device=dev)
+    src = torch.ones_like(a)
     q, k = case.q, case.k
-    qb, kb = torch.empty_like(q), torch.empty_like(k)
     noop = noop_op()
     qn, kn = _clones(case)
     pos, cs = case.positions[:, None], case.cos_sin
     return {
-        "stream in-place": lambda: (a.mul_(1.0), b.mul_(1.0)),
+        "stream in-place": lambda: a.mul_(1.0),
         "clone": lambda: (q.clone(), k.clone()),
-        "copy into": lambda: (qb.copy_(q), kb.copy_(k)),
+        "copy into": lambda: a.copy_(src),
         "no-op call": lambda: noop(qn, kn, pos, cs, False, False),
     }
 
@@ -668,9 +671,10 @@ class Config:
     modes: list[str]
     providers: list[str] | None = None  # None: all
     device: str = "cpu"
-    rounds: int = 5
-    min_run_time: float = 0.2
+    rounds: int = 10
+    min_run_time: float = 0.1
     tol_ulps: float = 8.0
+    allocator: str = "fresh"  # CPU: see set_cpu_allocator
     progress: bool = True
 
 
@@ -692,6 +696,33 @@ def _workloads(cfg: Config) -> list[tuple[Preset, int, str, torch.dtype, bool]]:
                     for t in toks:
                         out.append((preset, t, phase, dt, il))
     return out
+
+
+def set_cpu_allocator(mode: str) -> str:
+    """Makes the page faults of fresh CPU outputs deterministic (glibc ``mallopt``); returns what was done.
+
+    glibc maps large blocks with ``mmap`` and moves its threshold with the history of frees, so whether a
+    new output tensor page-faults (costly: the kernel zeroes every page) depends on what ran before it.
+    ``fresh``: blocks over 1 MiB are always mapped and unmapped, so every output of every call is
+    faulted in (what a process sees for large new tensors). ``reuse``: nothing is ever unmapped, outputs
+    reuse freed memory (as a caching allocator would). ``default``: glibc unchanged.
+    """
+    if mode == "default" or not sys.platform.startswith("linux"):
+        return "default"
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim, m_mmap_threshold, m_mmap_max = -1, -3, -4
+        if mode == "fresh":
+            ok = libc.mallopt(m_mmap_threshold, 1 << 20) and libc.mallopt(m_trim, 1 << 20)
+        elif mode == "reuse":
+            ok = libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim, 1 << 40)
+        else:
+            raise ValueError(f"allocator mode must be fresh, reuse or default, got {mode!r}")
+    except OSError:
+        return "default (no glibc)"
+    return mode if ok else "default (mallopt failed)"
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -741,6 +772,8 @@ def run_benchmark(
     notes: dict[str, None] = {}
     rows: list[dict[str, Any]] = []
     machine = machine_info(device)
+    if device.type == "cpu":
+        machine["cpu_allocator"] = set_cpu_allocator(cfg.allocator)
     workloads = _workloads(cfg)
     bar = None
     if cfg.progress:
@@ -840,6 +873,9 @@ def _derive(wl: dict[str, dict[str, Any]]) -> None:
             r["speedup_vs_eager"] = ref["median_s"] / t
         if noop and noop.get("median_s"):
             r["x_noop_call"] = t / noop["median_s"]
+        fwd = wl.get(f"{r['provider']}|out")
+        if r["mode"] == "backward" and fwd and fwd.get("median_s"):
+            r["x_forward"] = t / fwd["median_s"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -917,6 +953,7 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
     head = (
         f"rope-bench on {m['cpu']} ({m['torch_threads']} threads, ISA {m['rope_ext_cpu_isa']}"
         + (f", GPU {m['gpu']}" if "gpu" in m else "")
+        + (f", allocator {m['cpu_allocator']}" if "cpu_allocator" in m else "")
         + f"), torch {m['torch']}, load {', '.join(f'{x:.2f}' for x in m.get('loadavg', []))}"
     )
     try:
@@ -947,8 +984,38 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
         "out/backward vs 'clone'); vs eager: hf-eager time / time; x no-op: time / registered no-op call.",
         file=file,
     )
+    for line in summary(result):
+        print(line, file=file)
     for n in result["notes"]:
         print(f"note: {n}", file=file)
+
+
+def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
+    """One line per workload: how provider ``name`` stands against the ceilings and the references."""
+    lines = []
+    by_wl: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in result["rows"]:
+        key = (r["preset"], r["dtype"], r["pairing"], r["phase"], r["tokens"])
+        by_wl.setdefault(key, {})[f"{r['provider']}|{r['mode']}"] = r
+    for (preset, dt, pairing, phase, tokens), rows in by_wl.items():
+        parts = []
+        ip, out, bwd = rows.get(f"{name}|inplace"), rows.get(f"{name}|out"), rows.get(f"{name}|backward")
+        if ip and "frac_ceiling" in ip:
+            parts.append(f"in place {100 * ip['frac_ceiling']:.0f}% of stream")
+        if out and "frac_ceiling" in out:
+            parts.append(f"out of place {100 * out['frac_ceiling']:.0f}% of clone")
+            for ref in ("hf-compile", "hf-eager"):
+                rr = rows.get(f"{ref}|out")
+                if rr and rr.get("median_s"):
+                    parts.append(f"{rr['median_s'] / out['median_s']:.1f}x {ref}")
+        if bwd and "x_forward" in bwd:
+            parts.append(f"backward {bwd['x_forward']:.2f}x forward")
+        for r in (ip, out):
+            if r and "x_noop_call" in r:
+                parts.append(f"{r['mode']} call {r['x_noop_call']:.2f}x no-op")
+        if parts:
+            lines.append(f"{name} {preset} {dt} {pairing} {phase} T={tokens}: " + ", ".join(parts))
+    return lines
 
 
 CSV_FIELDS = [
@@ -976,6 +1043,7 @@ CSV_FIELDS = [
     "frac_ceiling",
     "speedup_vs_eager",
     "x_noop_call",
+    "x_forward",
     "detail",
 ]
 
@@ -1085,8 +1153,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
-    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (each runs every provider in turn)")
-    ap.add_argument("--min-run-time", type=float, default=0.2, help="seconds per provider per round")
+    ap.add_argument("--rounds", type=int, default=10, help="timing rounds (each runs every provider in turn)")
+    ap.add_argument("--min-run-time", type=float, default=0.1, help="seconds per provider per round")
+    ap.add_argument(
+        "--allocator",
+        default="fresh",
+        choices=["fresh", "reuse", "default"],
+        help="CPU: fresh = new outputs always page-fault (large blocks mmapped per call), reuse = freed "
+        "memory reused (no faults), default = glibc as is (depends on history)",
+    )
     ap.add_argument("--tol-ulps", type=float, default=8.0, help="validation tolerance (eps * max|x| units)")
     ap.add_argument(
         "--quick",
@@ -1106,7 +1181,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if a.quick:
         a.preset, a.tokens, a.decode_tokens = "llama-3-8b", "2048", "1"
         a.dtype, a.pairing, a.mode = "fp32", "model", "inplace,out"
-        a.rounds, a.min_run_time = 3, 0.1
+        a.rounds, a.min_run_time = 6, 0.05
     presets: list[Preset] = []
     if a.preset is None and not a.shape:
         a.preset = "llama-3-8b"
@@ -1148,6 +1223,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         rounds=a.rounds,
         min_run_time=a.min_run_time,
         tol_ulps=a.tol_ulps,
+        allocator=a.allocator,
         progress=not a.no_progress,
     )
 
