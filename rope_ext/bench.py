@@ -26,8 +26,9 @@ Ceilings, measured in the same run on the same number of q and k bytes:
 ``% ceil`` is the ceiling's time divided by the provider's time (in place against the in-place stream,
 out of place and backward against clone); cos/sin and positions are not credited to the provider there.
 
-Timing: blocked timing as ``torch.utils.benchmark``'s ``blocked_autorange`` on the CPU; CUDA events on a GPU, with the L2
-cache flushed (a buffer twice its size is zeroed) before every timed call. Warm-up calls first.
+Timing: blocked timing as ``torch.utils.benchmark``'s ``blocked_autorange`` on the CPU; CUDA events on a
+GPU, with the L2 cache flushed (a buffer twice its size is zeroed) before every timed call.
+Warm-up calls first.
 
 Adding a provider is one small function decorated with :func:`provider`; see the existing ones.
 """
@@ -568,7 +569,7 @@ def validate(case: Case, mode: str, out: tuple[Tensor, Tensor], tol_ulps: float)
     inputs = (case.grad_q, case.grad_k) if mode == "backward" else (case.q, case.k)
     eps = torch.finfo(case.dtype).eps
     worst = 0.0
-    for o, e, x in zip(out, exp, inputs):
+    for o, e, x in zip(out, exp, inputs, strict=True):
         if tuple(o.shape) != tuple(e.shape):
             return False, math.inf
         scale = eps * max(float(x.abs().max()), 1e-30) if x.numel() else 1.0
@@ -637,7 +638,9 @@ class Timer:
         torch.cuda.synchronize(self.device)
         one = max(start.elapsed_time(end) * 1e-3, 1e-6)
         n = int(min(max(self.min_run_time / (one + 20e-6), 5), 200))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)
+        ]
         for s, e in events:
             self._flush.zero_()
             s.record()
@@ -855,7 +858,7 @@ def _derive(wl: dict[str, dict[str, Any]]) -> None:
     """GB/s, fraction of the mode's ceiling, speedup vs eager and call-overhead ratio, in place."""
     eager = {r["mode"]: r for r in wl.values() if r.get("baseline") and "median_s" in r}
     noop = wl.get("no-op call|ceiling")
-    for key, r in wl.items():
+    for r in wl.values():
         t = r.get("median_s")
         if not t:
             continue
@@ -960,16 +963,20 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(TABLE_COLUMNS)]
+        widths = [
+            max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(TABLE_COLUMNS)
+        ]
         print(head, file=file)
-        print("  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths)), file=file)
+        print("  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)), file=file)
         for r in rows:
-            print("  ".join(v.ljust(w) for v, w in zip(r, widths)), file=file)
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), file=file)
     else:
         console = Console(file=file, width=max(170, Console(file=file).width))
         table = Table(title=head, title_justify="left", show_lines=False)
         for c in TABLE_COLUMNS:
-            table.add_column(c, justify="right" if c not in ("workload", "mode", "provider", "status") else "left")
+            table.add_column(
+                c, justify="right" if c not in ("workload", "mode", "provider", "status") else "left"
+            )
         prev = None
         for r in rows:
             if prev is not None and r[0] != prev:
@@ -1079,7 +1086,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     cols = min(n, 2)
     nrows = math.ceil(n / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols, 3.8 * nrows), squeeze=False)
-    for ax, ((preset, dt, pairing), rs) in zip(axes.flat, sorted(groups.items())):
+    for ax, ((preset, dt, pairing), rs) in zip(axes.flat, sorted(groups.items()), strict=False):
         lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rs:
             if r["provider"] == "no-op call":
@@ -1087,9 +1094,11 @@ def plot(result: dict[str, Any], path: str) -> None:
             lines.setdefault((r["provider"], r["mode"]), []).append((r["tokens"], r["gbps"]))
         for (name, mode), pts in sorted(lines.items(), key=lambda kv: (kv[0][1] == "ceiling", kv[0])):
             pts.sort()
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             if mode == "ceiling":
-                ax.plot(xs, ys, "--", color="gray" if name == "clone" else "black", lw=1, label=f"ceiling: {name}")
+                ax.plot(
+                    xs, ys, "--", color="gray" if name == "clone" else "black", lw=1, label=f"ceiling: {name}"
+                )
             else:
                 ax.plot(xs, ys, "o-", ms=3, lw=1.3, label=f"{name} ({mode})")
         ax.set_xscale("log", base=2)
@@ -1122,7 +1131,9 @@ def _custom_preset(spec: str, base: float) -> Preset:
     if len(v) not in (3, 4):
         raise argparse.ArgumentTypeError(f"--shape wants Q,KV,D[,R], got {spec!r}")
     r = v[3] if len(v) == 4 else v[2]
-    return Preset(f"custom-{v[0]}x{v[1]}x{v[2]}" + (f"r{r}" if r != v[2] else ""), v[0], v[1], v[2], r, False, base)
+    return Preset(
+        f"custom-{v[0]}x{v[1]}x{v[2]}" + (f"r{r}" if r != v[2] else ""), v[0], v[1], v[2], r, False, base
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1135,7 +1146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--preset",
         default=None,
-        help="comma-separated model presets, or 'all' (see --list); default llama-3-8b unless --shape is given",
+        help="comma-separated model presets, or 'all' (see --list); default: llama-3-8b, none with --shape",
     )
     ap.add_argument("--shape", action="append", default=[], help="custom shape Q,KV,D[,R] (repeatable)")
     ap.add_argument("--base", type=float, default=1e4, help="rope base for --shape")
@@ -1235,7 +1246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in PRESETS.values():
             print(
                 f"{p.name:18s} q {p.q_heads:3d} kv {p.kv_heads:3d} head_dim {p.head_dim:3d} "
-                f"rotary_dim {p.rotary_dim:3d} {'interleaved' if p.interleaved else 'half-split'} base {p.base:g}"
+                f"rotary_dim {p.rotary_dim:3d} {'interleaved' if p.interleaved else 'half-split'} "
+                f"base {p.base:g}"
             )
         print("providers: " + ", ".join(sorted({f"{p.name} ({p.mode})" for p in PROVIDERS})))
         return 0
@@ -1244,7 +1256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(a)
     t0 = time.perf_counter()
     result = run_benchmark(cfg)
-    result["command"] = "rope-bench " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    result["command"] = "rope-bench " + " ".join(
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)
+    )
     result["elapsed_s"] = time.perf_counter() - t0
     print_table(result)
     print(f"elapsed {result['elapsed_s']:.1f} s", file=sys.stdout)

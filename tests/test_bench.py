@@ -70,7 +70,9 @@ def test_wrong_provider_is_reported_not_timed():
         bench.Provider("raises", "out", raises),
         bench.Provider("absent", "out", skipped),
     ]
-    cfg = tiny_config(providers=["rope_ext", "wrong-sign", "raises", "absent"], modes=["out"], decode_tokens=[])
+    cfg = tiny_config(
+        providers=["rope_ext", "wrong-sign", "raises", "absent"], modes=["out"], decode_tokens=[]
+    )
     result = bench.run_benchmark(cfg, extra_providers=extra)
     by_name = {r["provider"]: r for r in result["rows"]}
     assert by_name["rope_ext"]["status"] == "ok"

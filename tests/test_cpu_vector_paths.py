@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_cos_sin
 
 import rope_ext
 from rope_ext import reference
-
-from conftest import make_cos_sin
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:

@@ -35,7 +35,8 @@ inline void store8(BFloat16* p, __m256 v) {
   // Round to nearest even, NaN kept quiet: the vector form of float_to_bf16.
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
   const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(is_nan));
@@ -75,8 +76,7 @@ inline __m256i round_bf16(__m256 v) {
 
 inline void store16(BFloat16* p, __m256 lo, __m256 hi) {
   const __m256i l = _mm256_srli_epi32(round_bf16(lo), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm256_blend_epi16(l, round_bf16(hi), 0xAA));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_blend_epi16(l, round_bf16(hi), 0xAA));
 }
 
 // Index, within a block of 16, of the element that lane k of load16's
@@ -137,10 +137,10 @@ struct Avx2Head : ScalarTable {
             for (int j = 0; j < h; j += 16) {
               const __m256 a = _mm256_loadu_ps(tab + part + j);
               const __m256 b = _mm256_loadu_ps(tab + part + j + 8);
-              const __m256 ev = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                  _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-              const __m256 od = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                  _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+              const __m256 ev = _mm256_castpd_ps(
+                  _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+              const __m256 od = _mm256_castpd_ps(
+                  _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
               _mm256_storeu_ps(perm + part + j, canon(ev));
               _mm256_storeu_ps(perm + part + j + 8, canon(od));
             }

@@ -106,7 +106,7 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       std::fill(tab.begin(), tab.end(), std::numeric_limits<A>::quiet_NaN());
     } else {
       Head::template build_table<T, CS, Interleaved, A>(cs + pos * p.cs_row_stride, sign,
-                                                         tab.data(), r);
+                                                        tab.data(), r);
     }
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
