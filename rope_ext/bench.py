@@ -1077,7 +1077,8 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
         ip, out, bwd = rows.get(f"{name}|inplace"), rows.get(f"{name}|out"), rows.get(f"{name}|backward")
         if ip and "frac_ceiling" in ip:
             parts.append(
-                f"in place {100 * ip['frac_ceiling']:.0f}% of stream (best runs {100 * ip['frac_ceiling_min']:.0f}%)"
+                f"in place {100 * ip['frac_ceiling']:.0f}% of stream (best runs "
+                f"{100 * ip['frac_ceiling_min']:.0f}%)"
             )
         if out and "frac_ceiling" in out:
             parts.append(
