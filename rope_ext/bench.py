@@ -1092,7 +1092,7 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
         if bwd and "x_forward" in bwd:
             parts.append(f"backward {bwd['x_forward']:.2f}x forward")
         for r in (ip, out):
-            if r and "x_noop_call" in r:
+            if r and "x_noop_call" in r and phase == "decode":
                 parts.append(f"{r['mode']} call {r['x_noop_call']:.2f}x no-op")
         if parts:
             lines.append(f"{name} {preset} {dt} {pairing} {phase} T={tokens}: " + ", ".join(parts))
@@ -1145,6 +1145,9 @@ def write_json(result: dict[str, Any], path: str) -> None:
         json.dump(result, f, indent=1, default=str)
 
 
+CEILING_STYLE = {"stream in-place": ("--", "black"), "clone": ("--", "gray"), "copy into": (":", "black")}
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     """GB/s against tokens, one line per provider and mode, dashed lines for the ceilings.
 
@@ -1173,23 +1176,33 @@ def plot(result: dict[str, Any], path: str) -> None:
             pts.sort()
             xs, ys = zip(*pts, strict=True)
             if mode == "ceiling":
-                ax.plot(
-                    xs, ys, "--", color="gray" if name == "clone" else "black", lw=1, label=f"ceiling: {name}"
-                )
+                style = CEILING_STYLE.get(name, ("--", "gray"))
+                ax.plot(xs, ys, style[0], color=style[1], lw=1.1, label=f"ceiling: {name}")
             else:
                 ax.plot(xs, ys, "o-", ms=3, lw=1.3, label=f"{name} ({mode})")
+        cold = [r["tokens"] for r in rs if r.get("input_sets", 1) > 1]
+        if cold:
+            ax.axvline(min(cold), color="0.6", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens")
         ax.set_ylabel("GB/s")
         ax.set_title(f"{preset} {dt} {pairing}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    handles: dict[str, Any] = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
     for ax in list(axes.flat)[len(groups) :]:
         ax.axis("off")
     m = result["machine"]
-    fig.suptitle(f"rope-bench: {m.get('gpu', m['cpu'])}, {m['torch_threads']} threads", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(
+        f"rope-bench: {m.get('gpu', m['cpu'])}, {m['torch_threads']} threads "
+        "(dotted: from here on, inputs rotated so calls run from memory, not cache)",
+        fontsize=9,
+    )
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.09 if nrows == 1 else 0.05, 1, 1))
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
