@@ -806,6 +806,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "rope_ext": rope_ext.__version__,
         "rope_ext_cpu_isa": str(torch.ops.rope_ext._cpu_isa()),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
     }
     with contextlib.suppress(OSError):
         info["loadavg"] = list(os.getloadavg())
@@ -1280,6 +1281,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write results as JSON")
     ap.add_argument("--csv", default=None, help="write results as CSV")
     ap.add_argument("--plot", default=None, help="write GB/s-vs-tokens plot (PNG)")
+    ap.add_argument(
+        "--omp-wait",
+        default="passive",
+        choices=["passive", "active", "inherit"],
+        help="OMP_WAIT_POLICY for the run (the command re-executes itself to set it): passive keeps idle "
+        "OpenMP workers asleep, so that on a shared machine a parallel region does not wait a scheduler "
+        "tick for a worker that lost its core while spinning; inherit leaves the environment as is",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list", action="store_true", help="list presets and providers, then exit")
     return ap.parse_args(argv)
@@ -1340,6 +1349,12 @@ def config_from_args(a: argparse.Namespace) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rope-bench``; returns 1 when a provider was wrong or raised, else 0."""
     a = parse_args(argv)
+    want = a.omp_wait.upper()
+    if argv is None and a.omp_wait != "inherit" and os.environ.get("OMP_WAIT_POLICY", "").upper() != want:
+        # OpenMP reads its wait policy once, when torch loads it: start again with it set.
+        os.environ["OMP_WAIT_POLICY"] = want
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "rope_ext.bench", *sys.argv[1:]])
     if a.list:
         for p in PRESETS.values():
             print(
