@@ -1,8 +1,9 @@
 // CUDA kernels of the rope_ext ops: launch on the current stream under a
 // device guard; no host synchronisation and no allocation besides the
 // outputs of the out-of-place ops, so every op can be captured in a CUDA graph.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "../rope/cuda_kernel.cuh"
@@ -18,10 +19,8 @@ __global__ void __launch_bounds__(256) rotary_kernel(const rope::RopeParams p, c
 }
 
 int64_t sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 64 && cached[device]) return cached[device];
-  const int n = at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  if (device < 64) cached[device] = n;
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   return n;
 }
 
@@ -33,7 +32,7 @@ void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
   const auto l = rope::gpu::plan_launch(p, int(q.element_size()), int(cs_size),
                                         sm_count(q.get_device()), false);
   if (l.n_rot_units + l.n_pass_units == 0) return;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
     rotary_kernel<T, CS, Pos, IL, Vec>
         <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)), dim3(unsigned(l.block_x), unsigned(l.block_y)), 0,
