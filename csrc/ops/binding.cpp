@@ -314,7 +314,9 @@ int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
 
 namespace {
 void run(const rope::RopeParams& p, const at::Tensor& q, const Backend& backend) {
-  if (p.n_tokens == 0) return;
+  int64_t heads = 0;
+  for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
+  if (p.n_tokens == 0 || heads == 0) return;  // empty: nothing to read or write
   if (backend.check_positions) backend.check_positions(p);
   backend.launch(p, q);
 }

@@ -130,17 +130,18 @@ inline Launch plan_launch(const RopeParams& p, int x_size, int cs_size, int64_t 
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
   l.block_x = lanes < 256 ? lanes : 256;
   // About 128 threads per block, each walking a few heads with its cos/sin.
-  const int64_t rows = 128 / l.block_x;
-  l.block_y = rows < 1 ? 1 : (rows < heads ? rows : (heads < 1 ? 1 : heads));
+  const int64_t rows = l.block_x < 128 ? 128 / l.block_x : 1;
+  l.block_y = heads < 1 ? 1 : (rows < heads ? rows : heads);
   l.grid_x = p.n_tokens < 0x7fffffff ? p.n_tokens : 0x7fffffff;
   l.grid_y = 1;
   const int64_t target = 4 * num_sms;  // blocks that fill the GPU
-  if (p.n_tokens < target) {
-    const int64_t max_y = (heads + l.block_y - 1) / l.block_y;
-    const int64_t want = (target + p.n_tokens - 1) / p.n_tokens;
-    l.grid_y = want < max_y ? want : max_y;
+  if (p.n_tokens < target && heads > 0) {
+    // Few tokens (decode): spread the heads of each token over blocks.
+    const int64_t per_token = (target + p.n_tokens - 1) / p.n_tokens;
+    const int64_t rows_needed = (heads + per_token - 1) / per_token;
+    if (rows_needed < l.block_y) l.block_y = rows_needed;
+    l.grid_y = (heads + l.block_y - 1) / l.block_y;
     if (l.grid_y > 65535) l.grid_y = 65535;
-    if (l.grid_y < 1) l.grid_y = 1;
   }
   return l;
 }
