@@ -34,6 +34,14 @@ TORCH_LIBRARY(rope_ext, m) {
   m.def(
       "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
       "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar) -> int[]");
+  // Whether this build contains the CUDA kernels.
+  m.def("_built_with_cuda() -> bool", [] {
+#if defined(ROPE_EXT_WITH_CUDA)
+    return true;
+#else
+    return false;
+#endif
+  });
   // Name of the CPU instruction set in use ("avx2" or "scalar").
   m.def("_cpu_isa() -> str", [] { return std::string(rope::cpu::isa()); });
 }
