@@ -108,6 +108,9 @@ def apply_rotary_qk_(
 
 
 def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    for name, t in (("positions", positions), ("cos_sin", cos_sin)):
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
     torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
     torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
     torch._check(positions.dim() < x.dim(), lambda: "positions must broadcast to x.shape[:-1]")
