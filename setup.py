@@ -39,10 +39,15 @@ def extension():
             "rope_ext._C",
             sources + sorted(glob.glob("csrc/ops/*.cu")),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            define_macros=[("ROPE_EXT_WITH_CUDA", "1")],
+            define_macros=[("ROPE_EXT_PYTHON_MODULE", None), ("ROPE_EXT_WITH_CUDA", "1")],
             py_limited_api=False,
         )
-    return cpp_extension.CppExtension("rope_ext._C", sources, extra_compile_args={"cxx": cxx})
+    return cpp_extension.CppExtension(
+        "rope_ext._C",
+        sources,
+        extra_compile_args={"cxx": cxx},
+        define_macros=[("ROPE_EXT_PYTHON_MODULE", None)],
+    )
 
 
 setup(

@@ -1,10 +1,11 @@
 // Every schema of the rope_ext namespace. Backends register their kernels in
 // ops_cpu.cpp and ops_cuda.cu.
-#include <Python.h>
 #include <torch/library.h>
 
 #include "../rope/cpu_kernel.h"
 
+#if defined(ROPE_EXT_PYTHON_MODULE)
+#include <Python.h>
 extern "C" {
 // Makes the library importable as rope_ext._C so that the static
 // registrations below run on import; it exposes no Python functions.
@@ -13,6 +14,7 @@ PyObject* PyInit__C(void) {
   return PyModule_Create(&module);
 }
 }
+#endif
 
 TORCH_LIBRARY(rope_ext, m) {
   // Rotates x [..., head_dim] by cos_sin[positions] (positions broadcast to
