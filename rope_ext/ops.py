@@ -48,7 +48,9 @@ def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= cos_sin.shape[0]:
             bad = lo if lo < 0 else hi
-            raise IndexError(f"positions must be in [0, cos_sin.shape[0]) = [0, {cos_sin.shape[0]}), got {bad}")
+            raise IndexError(
+                f"positions must be in [0, cos_sin.shape[0]) = [0, {cos_sin.shape[0]}), got {bad}"
+            )
 
 
 def apply_rotary(

@@ -26,9 +26,18 @@ def samples(device, requires_grad=False):
                 qt = q.transpose(1, 2)  # BHSD view
                 rg = requires_grad and dtype in (torch.float32, torch.float64)
                 out.append((OPS.rotary.default, (q.requires_grad_(rg), pos, cs, il, False)))
-                out.append((OPS.rotary.default, (qt.detach().requires_grad_(rg), pos.transpose(1, 2), cs, il, True)))
-                out.append((OPS.rotary_qk.default, (q.detach().requires_grad_(rg), k.requires_grad_(rg), pos, cs, il, False)))
-                out.append((OPS.rotary_qk_.default, (q.detach().clone(), k.detach().clone(), pos, cs, il, False)))
+                out.append(
+                    (OPS.rotary.default, (qt.detach().requires_grad_(rg), pos.transpose(1, 2), cs, il, True))
+                )
+                out.append(
+                    (
+                        OPS.rotary_qk.default,
+                        (q.detach().requires_grad_(rg), k.requires_grad_(rg), pos, cs, il, False),
+                    )
+                )
+                out.append(
+                    (OPS.rotary_qk_.default, (q.detach().clone(), k.detach().clone(), pos, cs, il, False))
+                )
                 out.append((OPS.rotary_qk_.default, (q.detach().clone(), None, pos.int(), cs, il, False)))
     return out
 

@@ -25,7 +25,12 @@ def _cases():
     yield "float positions", TypeError, "positions", dict(positions=pos.float())
     yield "bool positions", TypeError, "positions", dict(positions=pos.bool())
     yield "positions not broadcastable", ValueError, "positions", dict(positions=pos[:5])
-    yield "positions too long", ValueError, "positions", dict(positions=torch.zeros(2, 6, 1, dtype=torch.long))
+    yield (
+        "positions too long",
+        ValueError,
+        "positions",
+        dict(positions=torch.zeros(2, 6, 1, dtype=torch.long)),
+    )
     yield "negative position", IndexError, "positions", dict(positions=torch.full((6, 1), -1))
     yield "position == P", IndexError, "positions", dict(positions=torch.full((6, 1), 32))
     yield "non-floating q", TypeError, "q", dict(q=torch.ones(6, 4, 64, dtype=torch.int32))
@@ -47,7 +52,10 @@ def _cases():
 def test_errors_leave_inputs_unchanged(name, exc, word, override):
     q, k, pos, cs = _good()
     args = dict(q=q, k=k, positions=pos, cos_sin=cs) | override
-    before = [t.clone() if isinstance(t, torch.Tensor) and t.device.type != "meta" else t for t in (args["q"], args["k"])]
+    before = [
+        t.clone() if isinstance(t, torch.Tensor) and t.device.type != "meta" else t
+        for t in (args["q"], args["k"])
+    ]
     with pytest.raises(exc, match=word):
         rope_ext.apply_rotary_qk_(args["q"], args["k"], args["positions"], args["cos_sin"])
     for t, b in zip((args["q"], args["k"]), before, strict=True):
@@ -79,9 +87,13 @@ def test_packed_qkv_is_not_overlap():
     rope_ext.apply_rotary_qk_(q, k, pos, rope_ext.RopeCache(64, max_positions=2).cos_sin)
     # Adjacent but disjoint column ranges, every stride pattern of the fast path.
     with pytest.raises(ValueError, match="overlap"):
-        rope_ext.apply_rotary_qk_(qkv[:, :4], qkv[:, 3:7], pos, rope_ext.RopeCache(64, max_positions=2).cos_sin)
+        rope_ext.apply_rotary_qk_(
+            qkv[:, :4], qkv[:, 3:7], pos, rope_ext.RopeCache(64, max_positions=2).cos_sin
+        )
     with pytest.raises(ValueError, match="overlap"):
-        rope_ext.apply_rotary_qk_(qkv[:, :4], qkv[:, :4], pos, rope_ext.RopeCache(64, max_positions=2).cos_sin)
+        rope_ext.apply_rotary_qk_(
+            qkv[:, :4], qkv[:, :4], pos, rope_ext.RopeCache(64, max_positions=2).cos_sin
+        )
     # Rows of one tensor interleaved with rows of another: no element shared.
     rope_ext.apply_rotary_qk_(qkv[0::2], qkv[1::2], pos[:3], rope_ext.RopeCache(64, max_positions=2).cos_sin)
 

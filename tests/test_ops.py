@@ -258,8 +258,8 @@ def test_emulated_grids_and_paths():
     # Misaligned slice (offset of one element): scalar path is chosen automatically.
     buf = torch.randn(10, 4, 129).to(torch.bfloat16)
     x = buf[..., 1:]
-    _, _, l = emulate("emu-tokens", x, None, pos, cs, interleaved=False)
-    assert l[4] == 0
+    _, _, launch = emulate("emu-tokens", x, None, pos, cs, interleaved=False)
+    assert launch[4] == 0
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

@@ -13,9 +13,11 @@ namespace rope_ext {
 namespace {
 
 template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(256) rotary_kernel(const rope::RopeParams p, const rope::gpu::Launch l) {
-  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(
-      p, l, {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, blockDim.x, blockDim.y, gridDim.x, gridDim.y});
+__global__ void __launch_bounds__(256)
+    rotary_kernel(const rope::RopeParams p, const rope::gpu::Launch l) {
+  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(p, l,
+                                                {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y,
+                                                 blockDim.x, blockDim.y, gridDim.x, gridDim.y});
 }
 
 int64_t sm_count(int device) {
@@ -35,8 +37,8 @@ void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
     rotary_kernel<T, CS, Pos, IL, Vec>
-        <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)), dim3(unsigned(l.block_x), unsigned(l.block_y)), 0,
-           stream>>>(p, l);
+        <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)),
+           dim3(unsigned(l.block_x), unsigned(l.block_y)), 0, stream>>>(p, l);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -32,7 +32,8 @@ inline void store8(BFloat16* p, __m256 v) {
   // Round to nearest even, NaN kept quiet: the vector form of float_to_bf16.
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
   const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(is_nan));
@@ -52,8 +53,8 @@ struct Avx2Head {
       for (; 2 * j + 8 <= r; j += 4) {
         const __m256 x = load8(in + 2 * j);
         const __m256 xs = _mm256_permute_ps(x, 0xB1);
-        const __m256 y =
-            _mm256_fmadd_ps(x, _mm256_loadu_ps(tab + 2 * j), _mm256_mul_ps(xs, _mm256_loadu_ps(tab + r + 2 * j)));
+        const __m256 y = _mm256_fmadd_ps(x, _mm256_loadu_ps(tab + 2 * j),
+                                         _mm256_mul_ps(xs, _mm256_loadu_ps(tab + r + 2 * j)));
         store8(out + 2 * j, y);
       }
     } else {
@@ -70,7 +71,8 @@ struct Avx2Head {
   }
   // float64: the portable loop, compiled for AVX2.
   template <class T, bool Interleaved, class A>
-  static void rotate(const double* in, double* out, const double* tab, int r, int D, bool copy_pass) {
+  static void rotate(const double* in, double* out, const double* tab, int r, int D,
+                     bool copy_pass) {
     ScalarHead::rotate<double, Interleaved, double>(in, out, tab, r, D, copy_pass);
   }
 };

@@ -81,8 +81,7 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       for (int64_t head = 0; head < t.n_heads; ++head) {
         int64_t hin, hout;
         head_offsets(t, head, hin, hout);
-        Head::template rotate<T, Interleaved, A>(in + hin, out + hout, tab.data(), r, D,
-                                                 copy_pass);
+        Head::template rotate<T, Interleaved, A>(in + hin, out + hout, tab.data(), r, D, copy_pass);
       }
     }
   }

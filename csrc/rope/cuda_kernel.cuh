@@ -43,15 +43,15 @@ template <bool Vectorized, class T, int N>
 ROPE_HD void load_n(const T* src, T (&dst)[N]) {
   if constexpr (Vectorized && N > 1) {
     constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
-ROPE_UNROLL
+    ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
       assert_aligned(src + i, chunk * int(sizeof(T)));
       const Vec<T, chunk> v = *reinterpret_cast<const Vec<T, chunk>*>(src + i);
-ROPE_UNROLL
+      ROPE_UNROLL
       for (int k = 0; k < chunk; ++k) dst[i + k] = v.v[k];
     }
   } else {
-ROPE_UNROLL
+    ROPE_UNROLL
     for (int i = 0; i < N; ++i) dst[i] = src[i];
   }
 }
@@ -60,16 +60,16 @@ template <bool Vectorized, class T, int N>
 ROPE_HD void store_n(T* dst, const T (&src)[N]) {
   if constexpr (Vectorized && N > 1) {
     constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
-ROPE_UNROLL
+    ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
       assert_aligned(dst + i, chunk * int(sizeof(T)));
       Vec<T, chunk> v;
-ROPE_UNROLL
+      ROPE_UNROLL
       for (int k = 0; k < chunk; ++k) v.v[k] = src[i + k];
       *reinterpret_cast<Vec<T, chunk>*>(dst + i) = v;
     }
   } else {
-ROPE_UNROLL
+    ROPE_UNROLL
     for (int i = 0; i < N; ++i) dst[i] = src[i];
   }
 }
@@ -170,14 +170,14 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
           CS cr[P], sr[P];
           load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
           load_n<Vectorized>(cs + pos * p.cs_row_stride + h + j0, sr);
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) {
             cv[k] = A(to_acc(cr[k]));
             sv[k] = p.inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
           }
         } else {
           // Never read outside the cache: this token's rotated features are NaN.
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) cv[k] = sv[k] = A(NAN);
         }
       }
@@ -195,7 +195,7 @@ ROPE_UNROLL
         } else if (Interleaved) {
           T x[2 * P], y[2 * P];
           load_n<Vectorized && (2 * P == V)>(in + 2 * j0, x);
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) {
             A y1, y2;
             rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
@@ -207,7 +207,7 @@ ROPE_UNROLL
           T x1[P], x2[P], y1[P], y2[P];
           load_n<Vectorized>(in + j0, x1);
           load_n<Vectorized>(in + h + j0, x2);
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) {
             A a, b;
             rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
