@@ -255,6 +255,13 @@ def test_emulated_grids_and_paths():
     assert tokens[1] == 1 and tokens[4] == 1  # token grid, vectorized
     assert heads[1] > 1 and heads[4] == 1  # heads split over blocks
     assert scalar[4] == 0
+    # Many tokens: fewer blocks than tokens, each block strides over tokens.
+    q2, k2, pos2 = make_qk("thd", torch.float16, "cpu", head_dim=64, b=10, s=10)
+    cs64 = rope_ext.RopeCache(64, max_positions=4096).cos_sin
+    qo, ko, launch = emulate("emu-tokens", q2, k2, pos2, cs64, interleaved=True)
+    assert launch[0] < q2.shape[0]
+    check(qo, q2, pos2, cs64, True)
+    check(ko, k2, pos2, cs64, True)
     # Misaligned slice (offset of one element): scalar path is chosen automatically.
     buf = torch.randn(10, 4, 129).to(torch.bfloat16)
     x = buf[..., 1:]

@@ -132,7 +132,10 @@ inline Launch plan_launch(const RopeParams& p, int x_size, int cs_size, int64_t 
   // About 128 threads per block, each walking a few heads with its cos/sin.
   const int64_t rows = l.block_x < 128 ? 128 / l.block_x : 1;
   l.block_y = heads < 1 ? 1 : (rows < heads ? rows : heads);
-  l.grid_x = p.n_tokens < 0x7fffffff ? p.n_tokens : 0x7fffffff;
+  // Prefill: as many blocks as fit on the GPU at once (16 blocks of <= 128
+  // threads per SM), each striding over tokens.
+  const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
+  l.grid_x = p.n_tokens < resident ? p.n_tokens : resident;
   l.grid_y = 1;
   const int64_t target = 4 * num_sms;  // blocks that fill the GPU
   if (p.n_tokens < target && heads > 0) {
