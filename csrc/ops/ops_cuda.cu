@@ -6,6 +6,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
+
 #include "../rope/cuda_kernel.cuh"
 #include "binding.h"
 
@@ -21,8 +24,14 @@ __global__ void __launch_bounds__(256)
 }
 
 int64_t sm_count(int device) {
+  // Cached per device: the launch path makes no CUDA API call but the launch.
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device >= 0 && device < 64) {
+    if (const int n = cache[device].load(std::memory_order_relaxed)) return n;
+  }
   int n = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
   return n;
 }
 
