@@ -14,7 +14,7 @@ from .scaling import LENGTH_DEPENDENT, inv_freq_and_attention_factor, normalize_
 
 __all__ = ["RopeCache", "cos_sin_rows"]
 
-_CHUNK_ROWS = 1 << 16  # rows built per step (bounds the float64 temporaries)
+_CHUNK_ROWS = 1 << 13  # rows built per step (float64 temporaries stay small and cache-resident)
 
 
 def cos_sin_rows(positions: Tensor, inv_freq: Tensor, attention_factor: float = 1.0) -> Tensor:

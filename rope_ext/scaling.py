@@ -129,7 +129,8 @@ def normalize_scaling(scaling: Mapping[str, Any] | None, rotary_dim: int) -> dic
             s["factor"] = s["max_position_embeddings"] / orig
     for key in _POSITIVE_FLOATS:
         _positive(s, key, rope_type, required=key == "factor" or (rope_type == "llama3" and "freq" in key))
-    _positive_int(s, "original_max_position_embeddings", rope_type)
+    if rope_type != "linear":
+        _positive_int(s, "original_max_position_embeddings", rope_type)
 
     if rope_type == "yarn":
         for key in ("mscale", "mscale_all_dim"):
@@ -195,9 +196,9 @@ def inv_freq_and_attention_factor(
     if t == "default":
         return base**-e, 1.0
     f = scaling["factor"]
-    o = scaling["original_max_position_embeddings"]
     if t == "linear":
         return base**-e / f, 1.0
+    o = scaling["original_max_position_embeddings"]
     if t == "dynamic":
         if length > o and d > 2:
             base = base * ((f * length / o) - (f - 1)) ** (d / (d - 2))
