@@ -110,7 +110,8 @@ def apply_rotary_pos_emb(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None, unsqueeze_dim: int = 1
 ) -> tuple[Tensor, Tensor]:
     """transformers' ``apply_rotary_pos_emb``:
-    ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` after ``cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)``.
+    ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` after
+    ``cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)``.
 
     ``q`` ``[batch, heads, seq, head_dim]`` and ``k`` (its own head count) with ``cos`` / ``sin``
     ``[batch, seq, head_dim]`` and ``unsqueeze_dim=1`` (``unsqueeze_dim=2`` for ``[batch, seq, heads,

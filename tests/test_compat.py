@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config
-from transformers import Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -120,7 +126,7 @@ def test_apply_rotary_pos_emb_general_cos_sin_equals_transformers_exactly():
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
     cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
-    for a, b in zip(apply_rotary_pos_emb(q, k, cos, sin), HF_APPLY(q, k, cos, sin)):
+    for a, b in zip(apply_rotary_pos_emb(q, k, cos, sin), HF_APPLY(q, k, cos, sin), strict=True):
         assert torch.equal(a, b)
     c1 = cos.clone().requires_grad_()
     s1 = sin.clone().requires_grad_()
@@ -264,7 +270,7 @@ def test_patch_transformers_scaled_variants(variant, restore_transformers):
     refs = [_logits_and_grads(model, ids) for ids in calls]
     patch_transformers(model)
     restore_transformers.append(model)
-    for ids, ref in zip(calls, refs):
+    for ids, ref in zip(calls, refs, strict=True):
         _assert_match(_logits_and_grads(model, ids), ref, rtol=2e-5)
 
 
