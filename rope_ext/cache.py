@@ -249,6 +249,17 @@ class RopeCache:
                 self._copies[d] = hit
             return hit[1]
 
+    def __getstate__(self) -> dict[str, Any]:
+        # copy.deepcopy / pickle (e.g. of a model holding the cache): no lock, no per-device copies.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_copies"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __repr__(self) -> str:
         return (
             f"RopeCache(rotary_dim={self.rotary_dim}, base={self.base}, rope_type={self.rope_type!r}, "

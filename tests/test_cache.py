@@ -130,6 +130,20 @@ def test_ensure_is_a_no_op_when_covered_and_grows_geometrically():
     assert cache.cos_sin is t1
 
 
+def test_copy_and_pickle():
+    import copy
+    import pickle
+
+    cache = RopeCache(32, max_positions=8, scaling={"rope_type": "linear", "factor": 2.0})
+    cache.cos_sin_on("meta")
+    for clone in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert torch.equal(clone.cos_sin, cache.cos_sin) and clone.scaling == cache.scaling
+        clone.ensure(20)  # has a working lock of its own
+        assert clone.capacity == 20 and cache.capacity == 8
+    m = copy.deepcopy(rope_ext.RotaryEmbedding(32, max_positions=8))
+    assert m.cache.capacity == 8
+
+
 def test_one_copy_per_device():
     cache = RopeCache(32, max_positions=8)
     assert cache.cos_sin_on("cpu") is cache.cos_sin

@@ -3,6 +3,8 @@ from configs (no download), vLLM's op semantics, labml's module layout, Meta's c
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -236,7 +238,10 @@ def test_patch_transformers_bf16(restore_transformers):
     assert model.model.rotary_emb._tables["main"].dtype == torch.float32
     # bf16 has 8 bits: rounding differences of one ulp in q / k (ours rounds once) propagate through two
     # layers; 1/16 of the largest value is a few bf16 ulps of it.
-    _assert_match(_logits_and_grads(model, ids), ref, rtol=1 / 16)
+    got = _logits_and_grads(model, ids)
+    _assert_match(got, ref, rtol=1 / 16)
+    clone = copy.deepcopy(model)  # a patched model copies like any other
+    assert torch.equal(clone(ids).logits, got[0])
 
 
 SCALED = {
