@@ -35,10 +35,11 @@ class RotaryEmbedding(nn.Module):
     * without ``positions``, token ``s`` of the sequence dim (dim ``-3``) is at position ``offset + s``
       (``offset``: a Python int, e.g. the number of tokens already in the KV cache); the table grows to
       ``offset + seq`` if needed (outside ``torch.compile``);
-    * ``positions`` (int32/int64) is either per token, shaped like ``q.shape[:-2]`` (``[batch, seq]`` or
-      ``[seq]``, packed sequences and left padding welcome), or any shape that broadcasts to
-      ``q.shape[:-1]``. Positions are not scanned (no device sync): they must be below the table's
-      capacity, ``max_positions`` or what ``ensure`` made available;
+    * ``positions`` (int32/int64) is either per token, shaped like the trailing token dims of ``q``
+      (``[batch, seq]``, or ``[seq]`` shared by the batch; packed sequences and left padding welcome),
+      or any other shape that broadcasts to ``q.shape[:-1]``. Positions are not scanned (no device
+      sync): they must be below the table's capacity, ``max_positions`` or what ``ensure`` made
+      available;
     * ``inplace=True`` rotates ``q`` and ``k`` in their own storage (no allocation, not differentiable) and
       returns them.
 
@@ -134,8 +135,9 @@ class RotaryEmbedding(nn.Module):
                     self._table = self.cache.cos_sin_on(q.device)
             positions = torch.arange(offset, offset + seq, device=q.device)[:, None]
         else:
-            if positions.dim() == q.dim() - 2 and tuple(positions.shape) == tuple(q.shape[:-2]):
-                positions = positions[..., None]
+            nd = positions.dim()
+            if 0 < nd <= q.dim() - 2 and tuple(positions.shape) == tuple(q.shape[-2 - nd : -2]):
+                positions = positions[..., None]  # per token: broadcast over heads
             if not torch.compiler.is_compiling() and self._table.device != q.device:
                 self._device = q.device
                 self._table = self.cache.cos_sin_on(q.device)

@@ -52,9 +52,11 @@ def test_per_token_positions_and_unbatched_layout():
     # [seq, heads, head_dim]: token s at offset + s
     oq3, ok3 = m(q[1], k[1], offset=3)
     _close(oq3, reference.rotary_hadamard(q[1], torch.arange(3, 8)[:, None], m.cos_sin()), 4.0)
-    # positions [seq] for the unbatched layout
+    # positions [seq] for the unbatched layout, and shared by the batch
     oq4, _ = m(q[1], k[1], torch.arange(3, 8))
     assert torch.equal(oq4, oq3)
+    oq5, _ = m(q, k, torch.arange(3, 8))
+    assert torch.equal(oq5, m(q, k, offset=3)[0])
 
 
 def test_inplace_and_gradients():
