@@ -347,9 +347,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         if x.dim() != 4 or x.shape[-1] < self.d:
             raise ValueError(f"x must be [seq_len, batch, heads, features >= {self.d}], got {tuple(x.shape)}")
         seq = x.shape[0]
-        if not torch.compiler.is_compiling() and (
-            seq > self._table.shape[0] or self._table.device != x.device
-        ):
+        if not torch.compiler.is_compiling():
             self.cache.ensure(seq)
             self._device = x.device
             self._table = self.cache.cos_sin_on(x.device)

@@ -129,16 +129,15 @@ class RotaryEmbedding(nn.Module):
         if positions is None:
             seq = q.shape[-3]
             if not torch.compiler.is_compiling():
-                if offset + seq > self._table.shape[0] or self._table.device != q.device:
-                    self.cache.ensure(offset + seq)
-                    self._device = q.device
-                    self._table = self.cache.cos_sin_on(q.device)
+                self.cache.ensure(offset + seq)  # a no-op unless the length is new
+                self._device = q.device
+                self._table = self.cache.cos_sin_on(q.device)  # current table (grown / rebuilt / moved)
             positions = torch.arange(offset, offset + seq, device=q.device)[:, None]
         else:
             nd = positions.dim()
             if 0 < nd <= q.dim() - 2 and tuple(positions.shape) == tuple(q.shape[-2 - nd : -2]):
                 positions = positions[..., None]  # per token: broadcast over heads
-            if not torch.compiler.is_compiling() and self._table.device != q.device:
+            if not torch.compiler.is_compiling():
                 self._device = q.device
                 self._table = self.cache.cos_sin_on(q.device)
         table = self._table

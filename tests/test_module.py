@@ -139,3 +139,15 @@ def test_bad_input():
     with pytest.raises(ValueError, match="unknown RoPE scaling"):
         RotaryEmbedding(64, scaling={"rope_type": "nope"})
     assert isinstance(rope_ext.RotaryEmbedding(8).cache, RopeCache)
+
+
+def test_dynamic_ntk_keyed_on_requested_length_through_the_module():
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    m = RotaryEmbedding(32, scaling=scaling, max_positions=16)
+    q, k = _qk(1, 4, 2, 2, 32)
+    m(q, k, offset=14)  # 18 positions: capacity 32, base keyed on 18
+    assert m.cache.capacity == 32 and m.cache.seq_len == 18
+    m(q, k, offset=16)  # 20 <= capacity, but a new largest length: the base follows it
+    assert m.cache.seq_len == 20
+    fresh = RopeCache(32, scaling=scaling, max_positions=20)
+    assert torch.equal(m.cos_sin()[:20], fresh.cos_sin)
