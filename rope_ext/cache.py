@@ -23,10 +23,10 @@ def cos_sin_rows(positions: Tensor, inv_freq: Tensor, attention_factor: float = 
     ``positions`` holds integers (any dtype, exact below 2**53), ``inv_freq`` is float64 on the same device.
     The angle ``p * inv_j`` is formed without rounding error (Dekker split of ``inv_j``, exact below
     ``p < 2**27``), rounded once to ``s`` with remainder ``e`` (``|e| <= ulp(s) / 2``), and
-    ``cos(s + e) = cos s - e sin s``, ``sin(s + e) = sin s + e cos s`` (the dropped ``e**2 / 2`` is below
-    1e-20 for ``p < 2**24``). The result is within a few float64 ulps (absolute ~3e-16) of the exact
-    cos/sin of ``p`` times the float64 ``inv_j``, so rounding it to float32 is correctly rounded, or one
-    ulp off when the exact value lies within ~1e-16 of a rounding boundary.
+    ``cos(s + e) = cos s (1 - e**2/2) - e sin s``, ``sin(s + e) = sin s (1 - e**2/2) + e cos s`` (the
+    dropped ``e**3 / 6`` is below 1e-27 for ``p < 2**24``). The result is within a few float64 ulps
+    (absolute ~3e-16) of the exact cos/sin of ``p`` times the float64 ``inv_j``, so rounding it to float32
+    is correctly rounded, or one ulp off when the exact value lies within ~1e-16 of a rounding boundary.
     """
     p = positions.to(torch.float64)[:, None]
     inv = inv_freq.to(torch.float64)[None, :]
@@ -37,8 +37,9 @@ def cos_sin_rows(positions: Tensor, inv_freq: Tensor, attention_factor: float = 
     s = a1 + a2
     e = a2 - (s - a1)  # exact rounding error of s (|a1| >= |a2|)
     cos_s, sin_s = torch.cos(s), torch.sin(s)
-    cos = cos_s - e * sin_s
-    sin = sin_s + e * cos_s
+    c2 = 1.0 - 0.5 * e * e
+    cos = cos_s * c2 - e * sin_s
+    sin = sin_s * c2 + e * cos_s
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
     return torch.cat([cos, sin], dim=-1)
