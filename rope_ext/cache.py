@@ -71,7 +71,8 @@ class RopeCache:
     ``dynamic`` rebuilds every row with a new base whenever ``seq_len`` grows past the trained length;
     ``longrope`` uses the short factors while ``seq_len <= original_max_position_embeddings`` and rebuilds
     every row with the long factors once it is larger. ``set_seq_len(n)`` sets ``seq_len`` exactly (it may
-    go back down, as transformers does when a short sequence follows a long one).
+    go back down, as transformers does when a short sequence follows a long one); ``reserve(n)`` adds
+    rows without counting ``n`` as requested.
 
     **Growth.** The table grows geometrically (to ``max(n, 2 * capacity)``) and never shrinks; ``ensure``
     is a couple of integer comparisons when nothing changes. Growth and rebuilds build a new tensor and
