@@ -100,6 +100,9 @@ def test_table_matches_float64_reference_and_defaults_to_float32():
     # float64 reference: its own angle error is <= p * 2**-53 * few; ours is within 1 ulp of exact.
     tol = 2.0**-24 + 70_000 * 2.0**-51
     assert (cache.cos_sin.double() - ref).abs().max() <= tol
+    # the stored rows are exactly cos_sin_rows of their positions, across build chunks
+    some = torch.tensor([0, 1, 8191, 8192, 8193, 65535, 65536, 69999])
+    assert torch.equal(cache.cos_sin[some], cos_sin_rows(some, cache.inv_freq).float())
     c64 = RopeCache(64, 1e4, max_positions=16, dtype=torch.float64)
     assert c64.cos_sin.dtype == torch.float64
     assert torch.equal(c64.cos_sin.float(), cache.cos_sin[:16])

@@ -35,6 +35,7 @@ from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb 
 
 import rope_ext
 from rope_ext import RopeCache
+from rope_ext.cache import cos_sin_rows
 from rope_ext.scaling import yarn_correction_range, yarn_get_mscale
 
 POSITIONS = [0, 1, 2047, 2049, 4095, 32767, 65537, 131071]
@@ -267,11 +268,19 @@ def test_cos_sin_and_rotation_match_transformers(name, seq_len):
     hf_rope = GPTNeoXRotaryEmbedding(config)
     hf_cos, hf_sin = hf_rope(torch.zeros(1, dtype=torch.float32), torch.tensor([positions + [seq_len - 1]]))
     hf_cos, hf_sin = hf_cos[:, :-1].double(), hf_sin[:, :-1].double()
-    cache = RopeCache.from_hf_config(config, max_positions=seq_len)
-    table = cache.cos_sin
-    assert table.dtype == torch.float32 and table.shape == (seq_len, rotary_dim)
+    if MODELS[name][3]["rope_type"] in ("dynamic", "longrope"):
+        # keyed on seq_len: the table itself, all seq_len rows
+        cache = RopeCache.from_hf_config(config, max_positions=seq_len)
+        assert cache.cos_sin.dtype == torch.float32 and cache.cos_sin.shape == (seq_len, rotary_dim)
+        table = cache.cos_sin[pos[0]]
+    else:
+        # the rows the table build computes (test_cache checks they are the stored rows, bit for bit),
+        # without building 131072 rows per model
+        cache = RopeCache.from_hf_config(config, max_positions=2050)
+        table = cos_sin_rows(pos[0], cache.inv_freq, cache.attention_factor).float()
+        assert torch.equal(table[:4], cache.cos_sin[pos[0, :4]])  # positions 0, 1, 2047, 2049
     h = rotary_dim // 2
-    rows = table[pos].double()
+    rows = table[None].double()
     ours_cos, ours_sin = rows[..., :h], rows[..., h:]
 
     A = cache.attention_factor
@@ -287,7 +296,8 @@ def test_cos_sin_and_rotation_match_transformers(name, seq_len):
     q = torch.randn(1, 3, len(positions), head_dim, generator=g)
     k = torch.randn(1, 2, len(positions), head_dim, generator=g)
     hf_q, hf_k = hf_apply_partial(q, k, hf_cos.float(), hf_sin.float())
-    rq, rk = rope_ext.apply_rotary_qk(q, k, pos[:, None, :], table)
+    local = torch.arange(len(positions))[None, None, :]  # row i of `table` holds position positions[i]
+    rq, rk = rope_ext.apply_rotary_qk(q, k, local, table)
 
     def bound(x):
         pair = x[..., :h].abs().double() + x[..., h:rotary_dim].abs().double()
@@ -302,7 +312,7 @@ def test_cos_sin_and_rotation_match_transformers(name, seq_len):
     if name in INTERLEAVED:  # transformers' interleaved form (DeepSeek-V3) returns de-interleaved halves
         qr, kr = q[..., :rotary_dim].contiguous(), k[..., :rotary_dim].contiguous()
         hf_qi, hf_ki = apply_rotary_pos_emb_interleave(qr, kr, hf_cos.float(), hf_sin.float())
-        iq, ik = rope_ext.apply_rotary_qk(qr, kr, pos[:, None, :], table, interleaved=True)
+        iq, ik = rope_ext.apply_rotary_qk(qr, kr, local, table, interleaved=True)
         for ours, theirs in ((iq, hf_qi), (ik, hf_ki)):
             ours_split = torch.cat([ours[..., 0::2], ours[..., 1::2]], dim=-1)
             x = torch.cat([qr if ours is iq else kr], dim=-1)
@@ -442,7 +452,7 @@ def test_real_config_classes():
         },
     )
     hf_inv, hf_attn = ROPE_INIT_FUNCTIONS["longrope"](phi3, None, seq_len=131072)
-    cache = RopeCache.from_hf_config(phi3, max_positions=131072)
+    cache = RopeCache.from_hf_config(phi3, max_positions=4097)  # past the original length: long factors
     assert ((cache.inv_freq - hf_inv.double()).abs() / cache.inv_freq <= inv_rel_tol(96, 1e4)).all()
     assert cache.attention_factor == pytest.approx(hf_attn, rel=1e-12)
     legacy_su = {
@@ -453,5 +463,5 @@ def test_real_config_classes():
         "rope_theta": 1e4,
         "rope_scaling": {"type": "su", "short_factor": _S48, "long_factor": _L48},
     }
-    su = RopeCache.from_hf_config(legacy_su, max_positions=131072)
+    su = RopeCache.from_hf_config(legacy_su, max_positions=4097)
     assert torch.equal(su.inv_freq, cache.inv_freq) and su.attention_factor == cache.attention_factor
