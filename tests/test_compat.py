@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close_to_reference, ulp
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -29,25 +30,6 @@ from rope_ext.compat import (
     rotary_embedding,
     unpatch_transformers,
 )
-
-_MANT = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-
-
-def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spacing of ``dtype`` at each value of the float64 tensor ``t``."""
-    mag = t.abs().clamp_min(torch.finfo(dtype).smallest_normal)
-    return torch.exp2(torch.floor(torch.log2(mag)) - _MANT[dtype])
-
-
-def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:
-    """The project's contract (tests/conftest.py): float32/64 within 1e-6 * max|x| of the float64
-    reference, float16/bfloat16 within one ulp of the output dtype."""
-    err = (out.double() - ref).abs()
-    if out.dtype in (torch.float32, torch.float64):
-        assert err.max().item() <= 1e-6 * max(x_max, 1e-30)
-    else:
-        assert (err <= ulp(ref, out.dtype)).all(), f"worst {err.max().item():.3g}"
-
 
 HF_APPLY = modeling_llama.apply_rotary_pos_emb  # transformers' own function, captured before any patch
 

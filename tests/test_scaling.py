@@ -27,6 +27,7 @@ import math
 
 import pytest
 import torch
+from conftest import ulp
 from transformers import GPTNeoXConfig, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
@@ -226,8 +227,7 @@ def effective_base(name: str, seq_len: int) -> float:
 
 
 def ulp32(t: torch.Tensor) -> torch.Tensor:
-    mag = t.abs().clamp_min(torch.finfo(torch.float32).smallest_normal)
-    return torch.exp2(torch.floor(torch.log2(mag)) - 23)
+    return ulp(t, torch.float32)
 
 
 def _seq_len_cases(name: str) -> list[int]:
