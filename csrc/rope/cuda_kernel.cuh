@@ -24,11 +24,34 @@ struct Coord {
   int64_t bdx, bdy, gdx, gdy;
 };
 
-// N elements of T moved as one naturally aligned access (<= 16 bytes).
-template <class T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
+// A naturally aligned word of 4, 8 or 16 bytes: the unit of one vector
+// access (CUDA's built-in vector types on the GPU, so that nvcc emits single
+// 64/128-bit loads and stores; a plain aligned struct on the host).
+template <int Bytes>
+struct Word;
+#if defined(__CUDACC__)
+template <>
+struct Word<16> {
+  using type = uint4;
 };
+template <>
+struct Word<8> {
+  using type = uint2;
+};
+template <>
+struct Word<4> {
+  using type = uint32_t;
+};
+#else
+template <int Bytes>
+struct alignas(Bytes) HostWord {
+  uint32_t w[Bytes / 4];
+};
+template <int Bytes>
+struct Word {
+  using type = HostWord<Bytes>;
+};
+#endif
 
 ROPE_HD void assert_aligned(const void* ptr, int bytes) {
 #if !defined(__CUDA_ARCH__)
@@ -37,18 +60,24 @@ ROPE_HD void assert_aligned(const void* ptr, int bytes) {
 #endif
 }
 
+// Elements of T per vector access when moving N of them (at most 16 bytes).
+template <class T, int N>
+constexpr int chunk_of() {
+  return int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
+}
+
 // dst[0..N) = src[0..N); as 16-byte (or smaller, naturally aligned) vector
 // accesses when Vectorized, element by element otherwise.
 template <bool Vectorized, class T, int N>
 ROPE_HD void load_n(const T* src, T (&dst)[N]) {
   if constexpr (Vectorized && N > 1) {
-    constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
+    constexpr int chunk = chunk_of<T, N>();
+    using W = typename Word<chunk* int(sizeof(T))>::type;
     ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
-      assert_aligned(src + i, chunk * int(sizeof(T)));
-      const Vec<T, chunk> v = *reinterpret_cast<const Vec<T, chunk>*>(src + i);
-      ROPE_UNROLL
-      for (int k = 0; k < chunk; ++k) dst[i + k] = v.v[k];
+      assert_aligned(src + i, int(sizeof(W)));
+      const W w = *reinterpret_cast<const W*>(src + i);
+      memcpy(&dst[i], &w, sizeof(W));
     }
   } else {
     ROPE_UNROLL
@@ -59,14 +88,14 @@ ROPE_HD void load_n(const T* src, T (&dst)[N]) {
 template <bool Vectorized, class T, int N>
 ROPE_HD void store_n(T* dst, const T (&src)[N]) {
   if constexpr (Vectorized && N > 1) {
-    constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
+    constexpr int chunk = chunk_of<T, N>();
+    using W = typename Word<chunk* int(sizeof(T))>::type;
     ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
-      assert_aligned(dst + i, chunk * int(sizeof(T)));
-      Vec<T, chunk> v;
-      ROPE_UNROLL
-      for (int k = 0; k < chunk; ++k) v.v[k] = src[i + k];
-      *reinterpret_cast<Vec<T, chunk>*>(dst + i) = v;
+      assert_aligned(dst + i, int(sizeof(W)));
+      W w;
+      memcpy(&w, &src[i], sizeof(W));
+      *reinterpret_cast<W*>(dst + i) = w;
     }
   } else {
     ROPE_UNROLL
