@@ -53,6 +53,73 @@ struct Word {
 };
 #endif
 
+// Bits of the elements of one vector access as 32-bit words, and back.
+template <class T, int N>
+ROPE_HD void to_words(const T* e, uint32_t* w) {
+  if constexpr (sizeof(T) == 2) {
+    for (int i = 0; i < N / 2; ++i) {
+      uint16_t a, b;
+      memcpy(&a, &e[2 * i], 2);
+      memcpy(&b, &e[2 * i + 1], 2);
+      w[i] = uint32_t(a) | (uint32_t(b) << 16);
+    }
+  } else {
+    memcpy(w, e, sizeof(T) * N);
+  }
+}
+template <class T, int N>
+ROPE_HD void from_words(const uint32_t* w, T* e) {
+  if constexpr (sizeof(T) == 2) {
+    for (int i = 0; i < N / 2; ++i) {
+      const uint16_t a = uint16_t(w[i] & 0xffffu), b = uint16_t(w[i] >> 16);
+      memcpy(&e[2 * i], &a, 2);
+      memcpy(&e[2 * i + 1], &b, 2);
+    }
+  } else {
+    memcpy(e, w, sizeof(T) * N);
+  }
+}
+
+#if defined(__CUDACC__)
+ROPE_HD void set_word(uint4& d, const uint32_t* w) { d = make_uint4(w[0], w[1], w[2], w[3]); }
+ROPE_HD void set_word(uint2& d, const uint32_t* w) { d = make_uint2(w[0], w[1]); }
+ROPE_HD void get_word(const uint4& d, uint32_t* w) {
+  w[0] = d.x, w[1] = d.y, w[2] = d.z, w[3] = d.w;
+}
+ROPE_HD void get_word(const uint2& d, uint32_t* w) { w[0] = d.x, w[1] = d.y; }
+#else
+template <int Bytes>
+void set_word(HostWord<Bytes>& d, const uint32_t* w) {
+  for (int i = 0; i < Bytes / 4; ++i) d.w[i] = w[i];
+}
+template <int Bytes>
+void get_word(const HostWord<Bytes>& d, uint32_t* w) {
+  for (int i = 0; i < Bytes / 4; ++i) w[i] = d.w[i];
+}
+#endif
+ROPE_HD void set_word(uint32_t& d, const uint32_t* w) { d = w[0]; }
+ROPE_HD void get_word(const uint32_t& d, uint32_t* w) { w[0] = d; }
+
+// One global access of a whole word. On the GPU through the ld/st.global.cg
+// intrinsics, which keep the access a single 64/128-bit instruction (a plain
+// dereference may be split into 32-bit accesses once the word is unpacked).
+template <class W>
+ROPE_HD W load_word(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(reinterpret_cast<const W*>(p));
+#else
+  return *reinterpret_cast<const W*>(p);
+#endif
+}
+template <class W>
+ROPE_HD void store_word(void* p, const W& w) {
+#if defined(__CUDA_ARCH__)
+  __stcg(reinterpret_cast<W*>(p), w);
+#else
+  *reinterpret_cast<W*>(p) = w;
+#endif
+}
+
 ROPE_HD void assert_aligned(const void* ptr, int bytes) {
 #if !defined(__CUDA_ARCH__)
   if (reinterpret_cast<uintptr_t>(ptr) % uintptr_t(bytes) != 0)
@@ -76,8 +143,9 @@ ROPE_HD void load_n(const T* src, T (&dst)[N]) {
     ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
       assert_aligned(src + i, int(sizeof(W)));
-      const W w = *reinterpret_cast<const W*>(src + i);
-      memcpy(&dst[i], &w, sizeof(W));
+      uint32_t w[sizeof(W) / 4];
+      get_word(load_word<W>(src + i), w);
+      from_words<T, chunk>(w, dst + i);
     }
   } else {
     ROPE_UNROLL
@@ -93,9 +161,11 @@ ROPE_HD void store_n(T* dst, const T (&src)[N]) {
     ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
       assert_aligned(dst + i, int(sizeof(W)));
-      W w;
-      memcpy(&w, &src[i], sizeof(W));
-      *reinterpret_cast<W*>(dst + i) = w;
+      uint32_t w[sizeof(W) / 4];
+      to_words<T, chunk>(src + i, w);
+      W word;
+      set_word(word, w);
+      store_word(dst + i, word);
     }
   } else {
     ROPE_UNROLL
