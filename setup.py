@@ -42,11 +42,16 @@ def extension():
             "rope_ext._C",
             sources + sorted(glob.glob("csrc/ops/*.cu")),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            define_macros=[("ROPE_EXT_PYTHON_MODULE", None), ("ROPE_EXT_WITH_CUDA", "1")],
             extra_link_args=link,
             py_limited_api=False,
         )
     return cpp_extension.CppExtension(
-        "rope_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
+        "rope_ext._C",
+        sources,
+        extra_compile_args={"cxx": cxx},
+        define_macros=[("ROPE_EXT_PYTHON_MODULE", None)],
+        extra_link_args=link,
     )
 
 

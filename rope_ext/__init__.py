@@ -1,7 +1,8 @@
 """rope_ext: rotary positional embeddings as compiled PyTorch ops (CPU and CUDA)."""
 
-from . import reference
+from . import compat, reference, scaling
 from .cache import RopeCache
+from .module import RotaryEmbedding
 from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_, set_position_checks
 
 __all__ = [
@@ -10,6 +11,9 @@ __all__ = [
     "apply_rotary_qk_",
     "set_position_checks",
     "RopeCache",
+    "RotaryEmbedding",
+    "compat",
     "reference",
+    "scaling",
 ]
 __version__ = "0.1.0"

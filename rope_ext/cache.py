@@ -1,27 +1,93 @@
-"""cos/sin cache: angles built in float64, stored as float32 (or the dtype asked for)."""
+"""cos/sin cache: every scaling variant, angles in float64, stored as float32 (or the dtype asked for)."""
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["RopeCache"]
+from .scaling import LENGTH_DEPENDENT, inv_freq_and_attention_factor, normalize_scaling
+
+__all__ = ["RopeCache", "cos_sin_rows"]
+
+_CHUNK_ROWS = 1 << 13  # rows built per step (float64 temporaries stay small and cache-resident)
+
+
+def cos_sin_rows(positions: Tensor, inv_freq: Tensor, attention_factor: float = 1.0) -> Tensor:
+    """float64 ``[len(positions), 2 * len(inv_freq)]``: ``A cos(p inv_j)`` then ``A sin(p inv_j)``.
+
+    ``positions`` holds integers (any dtype, exact below 2**53), ``inv_freq`` is float64 on the same device.
+    The angle ``p * inv_j`` is formed without rounding error (Dekker split of ``inv_j``, exact below
+    ``p < 2**27``), rounded once to ``s`` with remainder ``e`` (``|e| <= ulp(s) / 2``), and
+    ``cos(s + e) = cos s (1 - e**2/2) - e sin s``, ``sin(s + e) = sin s (1 - e**2/2) + e cos s`` (the
+    dropped ``e**3 / 6`` is below 1e-27 for ``p < 2**24``). The result is within a few float64 ulps
+    (absolute ~3e-16) of the exact cos/sin of ``p`` times the float64 ``inv_j``, so rounding it to float32
+    is correctly rounded, or one ulp off when the exact value lies within ~1e-16 of a rounding boundary.
+    """
+    p = positions.to(torch.float64)[:, None]
+    inv = inv_freq.to(torch.float64)[None, :]
+    c = inv * 134217729.0  # 2**27 + 1
+    hi = c - (c - inv)
+    lo = inv - hi
+    a1, a2 = p * hi, p * lo  # both exact for p < 2**27 (26-bit halves)
+    s = a1 + a2
+    e = a2 - (s - a1)  # exact rounding error of s (|a1| >= |a2|)
+    cos_s, sin_s = torch.cos(s), torch.sin(s)
+    c2 = 1.0 - 0.5 * e * e
+    cos = cos_s * c2 - e * sin_s
+    sin = sin_s * c2 + e * cos_s
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return torch.cat([cos, sin], dim=-1)
+
+
+def _as_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 class RopeCache:
-    """Table of ``cos(p * inv_j)`` and ``sin(p * inv_j)`` for positions ``0 .. capacity-1``.
+    """Table of ``A cos(p * inv_j)`` and ``A sin(p * inv_j)`` for positions ``0 .. capacity-1``.
 
-    ``cos_sin`` is ``[capacity, rotary_dim]``: cos for ``j < rotary_dim/2``, then sin (vLLM's
-    ``cos_sin_cache`` layout), ready for :func:`rope_ext.apply_rotary`. ``inv_j = base ** (-2j/rotary_dim)``;
-    every angle ``p * inv_j`` is computed in float64 and only the final cos/sin are rounded to
-    ``dtype`` (float32 by default).
+    ``cos_sin`` is ``[capacity, rotary_dim]`` of ``dtype`` on ``device``: cos for ``j < rotary_dim/2``,
+    then sin (vLLM's ``cos_sin_cache`` layout), ready for :func:`rope_ext.apply_rotary`. ``inv_freq``
+    (``[rotary_dim / 2]``) and the attention factor ``A`` come from ``scaling`` (see
+    :mod:`rope_ext.scaling`; ``None`` is plain RoPE, ``inv_j = base ** (-2j/rotary_dim)``, ``A = 1``).
+    ``inv_freq`` and every angle are float64 (see :func:`cos_sin_rows`); only the final cos/sin are
+    rounded to ``dtype`` (float32 by default; nothing is ever cast to a lower dtype unless ``dtype`` says
+    so).
 
-    ``ensure(n)`` makes positions ``0 .. n-1`` available, growing the table geometrically (never
-    shrinking). A server that sizes the cache once up front (``max_positions``) never grows it inside a
-    ``torch.compile`` graph or a CUDA graph. ``ensure`` may be called from several threads; a tensor
-    returned by ``cos_sin`` stays valid (growth builds a new tensor, it never mutates the old one).
+    **Length.** ``ensure(n)`` makes positions ``0 .. n-1`` available and records ``n`` as requested; the
+    largest length requested so far (``max_positions`` at construction, then any larger ``n``) is
+    ``seq_len``. The length-dependent variants are keyed on ``seq_len``, never on the padded capacity:
+    ``dynamic`` rebuilds every row with a new base whenever ``seq_len`` grows past the trained length;
+    ``longrope`` uses the short factors while ``seq_len <= original_max_position_embeddings`` and rebuilds
+    every row with the long factors once it is larger. ``set_seq_len(n)`` sets ``seq_len`` exactly (it may
+    go back down, as transformers does when a short sequence follows a long one); ``reserve(n)`` adds
+    rows without counting ``n`` as requested.
+
+    **Growth.** The table grows geometrically (to ``max(n, 2 * capacity)``) and never shrinks; ``ensure``
+    is a couple of integer comparisons when nothing changes. Growth and rebuilds build a new tensor and
+    never mutate one already handed out, so a tensor returned earlier stays valid (for the positions it
+    had). ``cos_sin_on(device)`` returns one copy per device, made once per table version. All mutation
+    happens under a lock: several threads may call ``ensure`` / ``cos_sin_on`` concurrently.
+
+    **Serving, torch.compile and CUDA graphs.** Size the cache once, before capturing or compiling:
+    construct it with ``max_positions`` = the longest context the server accepts (prompt + generated
+    tokens; ``config.max_position_embeddings`` for a model), or call ``cache.ensure(max_len)`` at start-up,
+    then fetch ``cache.cos_sin_on(device)`` once and pass that tensor to the ops. No growth or rebuild then
+    happens inside a compiled graph or a captured CUDA graph (a rebuild would hand out a new tensor that a
+    graph captured earlier would not see). For ``dynamic`` this fixes the NTK base for ``max_len``; for
+    ``longrope`` with ``max_len > original_max_position_embeddings`` every position uses the long factors.
+    The table costs ``max_len * rotary_dim * 4`` bytes in float32 (128 MiB for 262144 positions at 128).
     """
 
     def __init__(
@@ -32,26 +98,75 @@ class RopeCache:
         max_positions: int = 2048,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
+        if (
+            isinstance(rotary_dim, bool)
+            or not isinstance(rotary_dim, int)
+            or rotary_dim <= 0
+            or rotary_dim % 2
+        ):
             raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
-        if not base > 1.0:
-            raise ValueError(f"base must be > 1, got {base!r}")
-        if not isinstance(max_positions, int) or max_positions < 1:
+        if not isinstance(base, (int, float)) or not base > 1.0 or not math.isfinite(base):
+            raise ValueError(f"base must be a finite number > 1, got {base!r}")
+        if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
             raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
         if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         self.rotary_dim = rotary_dim
         self.base = float(base)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _as_device(device)
         self.dtype = dtype
+        self.scaling: dict[str, Any] = normalize_scaling(scaling, rotary_dim)
         self._lock = threading.Lock()
+        self._seq_len = int(max_positions)
+        self._inv_freq, self._attention_factor = self._params(self._seq_len)
+        self._version = 0
+        self._copies: dict[torch.device, tuple[int, Tensor]] = {}
         self._cos_sin = self._rows(0, max_positions)
+
+    # -- construction from a transformers config -------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, layer_type: str | None = None, **kwargs: Any) -> RopeCache:
+        """Build the cache a transformers model would use, from its config object or a plain dict.
+
+        Reads both the 4.x form (top-level ``rope_theta``, ``partial_rotary_factor`` (or GPT-NeoX's
+        ``rotary_pct``, GPT-J's ``rotary_dim``), ``head_dim`` (or ``hidden_size // num_attention_heads``),
+        ``rope_scaling`` with ``type`` or ``rope_type``, legacy ``"su"``) and the 5.x form
+        (``rope_parameters``, possibly nested per layer type, e.g. ``{"full_attention": {...},
+        "sliding_attention": {...}}``: ``layer_type`` picks the entry). A config with a ``text_config``
+        and no head size of its own is read through its ``text_config``. Other keyword arguments are
+        the constructor's (``max_positions``, ``device``, ``dtype``).
+        """
+        from .hf_config import parse_hf_config
+
+        _, rotary_dim, base, scaling = parse_hf_config(config, layer_type=layer_type)
+        return cls(rotary_dim, base, scaling=scaling, **kwargs)
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    def _params(self, seq_len: int) -> tuple[Tensor, float]:
+        return inv_freq_and_attention_factor(self.rotary_dim, self.base, self.scaling, seq_len)
+
+    @property
+    def rope_type(self) -> str:
+        return self.scaling["rope_type"]
 
     @property
     def inv_freq(self) -> Tensor:
-        """float64 ``[rotary_dim / 2]``."""
-        return self.base ** -(torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim)
+        """float64 CPU ``[rotary_dim / 2]`` for the current ``seq_len``."""
+        return self._inv_freq.clone()
+
+    @property
+    def attention_factor(self) -> float:
+        """Factor multiplying both cos and sin (1.0 except yarn / longrope)."""
+        return self._attention_factor
+
+    @property
+    def seq_len(self) -> int:
+        """Largest length requested so far (what ``dynamic`` / ``longrope`` are keyed on)."""
+        return self._seq_len
 
     @property
     def capacity(self) -> int:
@@ -63,24 +178,92 @@ class RopeCache:
         return self._cos_sin
 
     def _rows(self, start: int, stop: int) -> Tensor:
-        p = torch.arange(start, stop, dtype=torch.float64)
-        angles = p[:, None] * self.inv_freq[None, :]  # element-wise: no TF32 matmul
-        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
-        return table.to(device=self.device, dtype=self.dtype)
+        out = torch.empty(stop - start, self.rotary_dim, device=self.device, dtype=self.dtype)
+        inv = self._inv_freq.to(self.device)
+        for lo in range(start, stop, _CHUNK_ROWS):
+            hi = min(stop, lo + _CHUNK_ROWS)
+            p = torch.arange(lo, hi, dtype=torch.float64, device=self.device)
+            out[lo - start : hi - start] = cos_sin_rows(p, inv, self._attention_factor)
+        return out
+
+    # -- length / growth ---------------------------------------------------------------------------
 
     def ensure(self, n: int) -> RopeCache:
-        """Make positions ``0 .. n-1`` available; grows to ``max(n, 2 * capacity)`` when needed."""
+        """Make positions ``0 .. n-1`` available; ``seq_len`` becomes ``max(seq_len, n)``.
+
+        Cheap when ``n <= seq_len`` and ``n <= capacity``. Grows the table to ``max(n, 2 * capacity)``
+        when needed; rebuilds every row when a length-dependent variant changes its frequencies.
+        """
+        if n <= self._seq_len and n <= self._cos_sin.shape[0]:
+            return self
+        with self._lock:
+            self._update(max(int(n), self._seq_len), int(n))
+        return self
+
+    def reserve(self, n: int) -> RopeCache:
+        """Make positions ``0 .. n-1`` available without counting ``n`` as a requested length (``seq_len``
+        and so the frequencies of ``dynamic`` / ``longrope`` stay as they are)."""
         if n <= self._cos_sin.shape[0]:
             return self
         with self._lock:
-            cap = self._cos_sin.shape[0]
-            if n > cap:
-                new_cap = max(int(n), 2 * cap)
-                self._cos_sin = torch.cat([self._cos_sin, self._rows(cap, new_cap)], dim=0)
+            self._update(self._seq_len, int(n))
         return self
+
+    def set_seq_len(self, n: int) -> RopeCache:
+        """Set ``seq_len`` to exactly ``n`` (it may decrease) and make positions ``0 .. n-1`` available."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        with self._lock:
+            self._update(n, n)
+        return self
+
+    def _update(self, seq_len: int, needed: int) -> None:
+        cap = self._cos_sin.shape[0]
+        new_cap = cap if needed <= cap else max(needed, 2 * cap)
+        if seq_len != self._seq_len and self.rope_type in LENGTH_DEPENDENT:
+            inv, attn = self._params(seq_len)
+            self._seq_len = seq_len
+            if not torch.equal(inv, self._inv_freq) or attn != self._attention_factor:
+                self._inv_freq, self._attention_factor = inv, attn
+                self._cos_sin = self._rows(0, new_cap)
+                self._version += 1
+                return
+        self._seq_len = seq_len
+        if new_cap > cap:
+            self._cos_sin = torch.cat([self._cos_sin, self._rows(cap, new_cap)], dim=0)
+            self._version += 1
+
+    def cos_sin_on(self, device: torch.device | str | int | None = None) -> Tensor:
+        """The table on ``device`` (default: the cache's device): one copy per device, made once.
+
+        The copy is refreshed only after the table grew or was rebuilt.
+        """
+        d = _as_device(device) if device is not None else self.device
+        if d == self.device:
+            return self._cos_sin
+        hit = self._copies.get(d)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        with self._lock:
+            hit = self._copies.get(d)
+            if hit is None or hit[0] != self._version:
+                hit = (self._version, self._cos_sin.to(d))
+                self._copies[d] = hit
+            return hit[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copy.deepcopy / pickle (e.g. of a model holding the cache): no lock, no per-device copies.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_copies"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
-            f"RopeCache(rotary_dim={self.rotary_dim}, base={self.base}, capacity={self.capacity}, "
-            f"device={self.device}, dtype={self.dtype})"
+            f"RopeCache(rotary_dim={self.rotary_dim}, base={self.base}, rope_type={self.rope_type!r}, "
+            f"seq_len={self.seq_len}, capacity={self.capacity}, device={self.device}, dtype={self.dtype})"
         )

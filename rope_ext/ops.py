@@ -48,7 +48,9 @@ def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= cos_sin.shape[0]:
             bad = lo if lo < 0 else hi
-            raise IndexError(f"positions must be in [0, cos_sin.shape[0]) = [0, {cos_sin.shape[0]}), got {bad}")
+            raise IndexError(
+                f"positions must be in [0, cos_sin.shape[0]) = [0, {cos_sin.shape[0]}), got {bad}"
+            )
 
 
 def apply_rotary(
@@ -108,6 +110,9 @@ def apply_rotary_qk_(
 
 
 def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    for name, t in (("positions", positions), ("cos_sin", cos_sin)):
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
     torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
     torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
     torch._check(positions.dim() < x.dim(), lambda: "positions must broadcast to x.shape[:-1]")

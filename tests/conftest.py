@@ -17,7 +17,7 @@ def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     finfo = torch.finfo(dtype)
     mag = t.abs().clamp_min(finfo.smallest_normal)
     exp = torch.floor(torch.log2(mag))
-    return torch.exp2(exp - finfo.nmant)
+    return torch.exp2(exp) * finfo.eps
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:
@@ -43,7 +43,9 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float
         )
 
 
-@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(
+    params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+)
 def device(request):
     if request.param == "cuda" and not HAS_CUDA:
         pytest.skip("no CUDA device")

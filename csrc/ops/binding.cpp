@@ -40,7 +40,8 @@ void check_input(const at::Tensor& x, const char* name) {
   TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()), name,
                    " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
                    x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() >= 1, name, " must have at least one dim [..., head_dim], got a scalar");
+  TORCH_CHECK_VALUE(x.dim() >= 1, name,
+                    " must have at least one dim [..., head_dim], got a scalar");
   TORCH_CHECK_VALUE(x.size(-1) <= 1 || x.stride(-1) == 1, name,
                     " must have a contiguous last dim (stride 1), got strides ",
                     shape_str(x.strides()));
@@ -119,7 +120,9 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
     // [pa + i S, +la) and [pb + j S, +lb) meet iff some m = j - i in
     // (-(n-1), n-1) has pb - pa + m S in (-lb, la).
     const int64_t n = oa[0].first, S = oa[0].second, delta = pb - pa;
-    auto floor_div = [](int64_t x, int64_t y) { return x / y - ((x % y != 0) && ((x < 0) != (y < 0))); };
+    auto floor_div = [](int64_t x, int64_t y) {
+      return x / y - ((x % y != 0) && ((x < 0) != (y < 0)));
+    };
     const int64_t m_lo = std::max(-(n - 1), floor_div(-lb - delta, S) + 1);
     const int64_t m_hi = std::min(n - 1, -floor_div(-(la - delta), S) - 1);
     return m_lo <= m_hi;
@@ -199,9 +202,8 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   check_input(q_in, k_in ? "q" : "x");
   if (k_in) {
     check_input(*k_in, "k");
-    TORCH_CHECK_TYPE(k_in->scalar_type() == q_in.scalar_type(),
-                     "k must have the dtype of q (", q_in.scalar_type(), "), got ",
-                     k_in->scalar_type());
+    TORCH_CHECK_TYPE(k_in->scalar_type() == q_in.scalar_type(), "k must have the dtype of q (",
+                     q_in.scalar_type(), "), got ", k_in->scalar_type());
     TORCH_CHECK_VALUE(k_in->device() == q_in.device(), "k must be on the device of q (",
                       q_in.device(), "), got ", k_in->device());
     TORCH_CHECK_VALUE(k_in->dim() == q_in.dim(), "k must have the rank of q (", q_in.dim(),
@@ -215,9 +217,10 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   TORCH_CHECK_VALUE(cos_sin.dim() == 2,
                     "cos_sin must have shape [positions, rotary_dim], got shape ",
                     shape_str(cos_sin.sizes()));
-  TORCH_CHECK_TYPE(cos_sin.scalar_type() == at::kFloat || cos_sin.scalar_type() == q_in.scalar_type(),
-                   "cos_sin must be float32 or the dtype of ", xname, " (", q_in.scalar_type(),
-                   "), got ", cos_sin.scalar_type());
+  TORCH_CHECK_TYPE(
+      cos_sin.scalar_type() == at::kFloat || cos_sin.scalar_type() == q_in.scalar_type(),
+      "cos_sin must be float32 or the dtype of ", xname, " (", q_in.scalar_type(), "), got ",
+      cos_sin.scalar_type());
   TORCH_CHECK_VALUE(cos_sin.device() == q_in.device(), "cos_sin must be on the device of ", xname,
                     " (", q_in.device(), "), got ", cos_sin.device());
   const int64_t rotary_dim = cos_sin.size(1);
@@ -302,8 +305,8 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
   for (int64_t t = 0; t < p.n_tokens; ++t) {
     const int64_t off = rope::token_offsets(p, t).pos;
-    const int64_t pos = p.pos_int64 ? rope::load_position<int64_t>(p, off)
-                                    : rope::load_position<int32_t>(p, off);
+    const int64_t pos =
+        p.pos_int64 ? rope::load_position<int64_t>(p, off) : rope::load_position<int32_t>(p, off);
     if (!rope::position_in_cache(p, pos)) {
       *value = pos;
       return t;
@@ -314,7 +317,9 @@ int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
 
 namespace {
 void run(const rope::RopeParams& p, const at::Tensor& q, const Backend& backend) {
-  if (p.n_tokens == 0) return;
+  int64_t heads = 0;
+  for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
+  if (p.n_tokens == 0 || heads == 0) return;  // empty: nothing to read or write
   if (backend.check_positions) backend.check_positions(p);
   backend.launch(p, q);
 }
@@ -330,9 +335,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& positions,
-                                             const at::Tensor& cos_sin, bool interleaved,
-                                             bool inverse, const Backend& backend) {
+                                             const at::Tensor& positions, const at::Tensor& cos_sin,
+                                             bool interleaved, bool inverse,
+                                             const Backend& backend) {
   check_input(q, "q");
   check_input(k, "k");
   at::Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);

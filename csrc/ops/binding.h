@@ -26,9 +26,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 
 // rope_ext::rotary_qk
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& positions,
-                                             const at::Tensor& cos_sin, bool interleaved,
-                                             bool inverse, const Backend& backend);
+                                             const at::Tensor& positions, const at::Tensor& cos_sin,
+                                             bool interleaved, bool inverse,
+                                             const Backend& backend);
 
 // rope_ext::rotary_qk_ (in place)
 void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,

@@ -25,15 +25,17 @@ std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::
   check_writable(q_out, kop);
   const auto l = rope::gpu::plan_launch(p, int(q.element_size()), int(cos_sin.element_size()),
                                         num_sms, force_scalar);
-  if (p.n_tokens > 0 && l.n_rot_units + l.n_pass_units > 0) {
-    rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-      for (int64_t by = 0; by < l.grid_y; ++by)
-        for (int64_t bx = 0; bx < l.grid_x; ++bx)
-          for (int64_t ty = 0; ty < l.block_y; ++ty)
-            for (int64_t tx = 0; tx < l.block_x; ++tx)
-              rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(
-                  p, l, {bx, by, tx, ty, l.block_x, l.block_y, l.grid_x, l.grid_y});
-    });
+  if (p.n_tokens > 0 && p.t[0].n_heads + (kp ? p.t[1].n_heads : 0) > 0 &&
+      l.n_rot_units + l.n_pass_units > 0) {
+    rope::gpu::dispatch_cuda(
+        p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+          for (int64_t by = 0; by < l.grid_y; ++by)
+            for (int64_t bx = 0; bx < l.grid_x; ++bx)
+              for (int64_t ty = 0; ty < l.block_y; ++ty)
+                for (int64_t tx = 0; tx < l.block_x; ++tx)
+                  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(
+                      p, l, {bx, by, tx, ty, l.block_x, l.block_y, l.grid_x, l.grid_y});
+        });
   }
   return {l.grid_x, l.grid_y, l.block_x, l.block_y, l.vectorized ? 1 : 0};
 }

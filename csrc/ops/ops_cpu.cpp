@@ -49,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk_cpu(const at::Tensor& q, const at::
 }
 
 void rotary_qk_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                           const at::Tensor& positions, const at::Tensor& cos_sin,
-                           bool interleaved, bool inverse) {
+                           const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
+                           bool inverse) {
   rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, kCpu);
 }
 

@@ -1,9 +1,13 @@
 // CUDA kernels of the rope_ext ops: launch on the current stream under a
 // device guard; no host synchronisation and no allocation besides the
 // outputs of the out-of-place ops, so every op can be captured in a CUDA graph.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <array>
+#include <atomic>
 
 #include "../rope/cuda_kernel.cuh"
 #include "binding.h"
@@ -12,16 +16,22 @@ namespace rope_ext {
 namespace {
 
 template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(256) rotary_kernel(const rope::RopeParams p, const rope::gpu::Launch l) {
-  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(
-      p, l, {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, blockDim.x, blockDim.y, gridDim.x, gridDim.y});
+__global__ void __launch_bounds__(256)
+    rotary_kernel(const rope::RopeParams p, const rope::gpu::Launch l) {
+  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(p, l,
+                                                {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y,
+                                                 blockDim.x, blockDim.y, gridDim.x, gridDim.y});
 }
 
 int64_t sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 64 && cached[device]) return cached[device];
-  const int n = at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  if (device < 64) cached[device] = n;
+  // Cached per device: the launch path makes no CUDA API call but the launch.
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device >= 0 && device < 64) {
+    if (const int n = cache[device].load(std::memory_order_relaxed)) return n;
+  }
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
   return n;
 }
 
@@ -33,11 +43,11 @@ void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
   const auto l = rope::gpu::plan_launch(p, int(q.element_size()), int(cs_size),
                                         sm_count(q.get_device()), false);
   if (l.n_rot_units + l.n_pass_units == 0) return;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
     rotary_kernel<T, CS, Pos, IL, Vec>
-        <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)), dim3(unsigned(l.block_x), unsigned(l.block_y)), 0,
-           stream>>>(p, l);
+        <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)),
+           dim3(unsigned(l.block_x), unsigned(l.block_y)), 0, stream>>>(p, l);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -1,10 +1,11 @@
 // Every schema of the rope_ext namespace. Backends register their kernels in
 // ops_cpu.cpp and ops_cuda.cu.
-#include <Python.h>
 #include <torch/library.h>
 
 #include "../rope/cpu_kernel.h"
 
+#if defined(ROPE_EXT_PYTHON_MODULE)
+#include <Python.h>
 extern "C" {
 // Makes the library importable as rope_ext._C so that the static
 // registrations below run on import; it exposes no Python functions.
@@ -13,6 +14,7 @@ PyObject* PyInit__C(void) {
   return PyModule_Create(&module);
 }
 }
+#endif
 
 TORCH_LIBRARY(rope_ext, m) {
   // Rotates x [..., head_dim] by cos_sin[positions] (positions broadcast to
@@ -34,6 +36,14 @@ TORCH_LIBRARY(rope_ext, m) {
   m.def(
       "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
       "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar) -> int[]");
+  // Whether this build contains the CUDA kernels.
+  m.def("_built_with_cuda() -> bool", [] {
+#if defined(ROPE_EXT_WITH_CUDA)
+    return true;
+#else
+    return false;
+#endif
+  });
   // Name of the CPU instruction set in use ("avx2" or "scalar").
   m.def("_cpu_isa() -> str", [] { return std::string(rope::cpu::isa()); });
 }

@@ -24,11 +24,101 @@ struct Coord {
   int64_t bdx, bdy, gdx, gdy;
 };
 
-// N elements of T moved as one naturally aligned access (<= 16 bytes).
-template <class T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
+// A naturally aligned word of 4, 8 or 16 bytes: the unit of one vector
+// access (CUDA's built-in vector types on the GPU, so that nvcc emits single
+// 64/128-bit loads and stores; a plain aligned struct on the host).
+template <int Bytes>
+struct Word;
+#if defined(__CUDACC__)
+template <>
+struct Word<16> {
+  using type = uint4;
 };
+template <>
+struct Word<8> {
+  using type = uint2;
+};
+template <>
+struct Word<4> {
+  using type = uint32_t;
+};
+#else
+template <int Bytes>
+struct alignas(Bytes) HostWord {
+  uint32_t w[Bytes / 4];
+};
+template <int Bytes>
+struct Word {
+  using type = HostWord<Bytes>;
+};
+#endif
+
+// Bits of the elements of one vector access as 32-bit words, and back.
+template <class T, int N>
+ROPE_HD void to_words(const T* e, uint32_t* w) {
+  if constexpr (sizeof(T) == 2) {
+    for (int i = 0; i < N / 2; ++i) {
+      uint16_t a, b;
+      memcpy(&a, &e[2 * i], 2);
+      memcpy(&b, &e[2 * i + 1], 2);
+      w[i] = uint32_t(a) | (uint32_t(b) << 16);
+    }
+  } else {
+    memcpy(w, e, sizeof(T) * N);
+  }
+}
+template <class T, int N>
+ROPE_HD void from_words(const uint32_t* w, T* e) {
+  if constexpr (sizeof(T) == 2) {
+    for (int i = 0; i < N / 2; ++i) {
+      const uint16_t a = uint16_t(w[i] & 0xffffu), b = uint16_t(w[i] >> 16);
+      memcpy(&e[2 * i], &a, 2);
+      memcpy(&e[2 * i + 1], &b, 2);
+    }
+  } else {
+    memcpy(e, w, sizeof(T) * N);
+  }
+}
+
+#if defined(__CUDACC__)
+ROPE_HD void set_word(uint4& d, const uint32_t* w) { d = make_uint4(w[0], w[1], w[2], w[3]); }
+ROPE_HD void set_word(uint2& d, const uint32_t* w) { d = make_uint2(w[0], w[1]); }
+ROPE_HD void get_word(const uint4& d, uint32_t* w) {
+  w[0] = d.x, w[1] = d.y, w[2] = d.z, w[3] = d.w;
+}
+ROPE_HD void get_word(const uint2& d, uint32_t* w) { w[0] = d.x, w[1] = d.y; }
+#else
+template <int Bytes>
+void set_word(HostWord<Bytes>& d, const uint32_t* w) {
+  for (int i = 0; i < Bytes / 4; ++i) d.w[i] = w[i];
+}
+template <int Bytes>
+void get_word(const HostWord<Bytes>& d, uint32_t* w) {
+  for (int i = 0; i < Bytes / 4; ++i) w[i] = d.w[i];
+}
+#endif
+ROPE_HD void set_word(uint32_t& d, const uint32_t* w) { d = w[0]; }
+ROPE_HD void get_word(const uint32_t& d, uint32_t* w) { w[0] = d; }
+
+// One global access of a whole word. On the GPU through the ld/st.global.cg
+// intrinsics, which keep the access a single 64/128-bit instruction (a plain
+// dereference may be split into 32-bit accesses once the word is unpacked).
+template <class W>
+ROPE_HD W load_word(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(reinterpret_cast<const W*>(p));
+#else
+  return *reinterpret_cast<const W*>(p);
+#endif
+}
+template <class W>
+ROPE_HD void store_word(void* p, const W& w) {
+#if defined(__CUDA_ARCH__)
+  __stcg(reinterpret_cast<W*>(p), w);
+#else
+  *reinterpret_cast<W*>(p) = w;
+#endif
+}
 
 ROPE_HD void assert_aligned(const void* ptr, int bytes) {
 #if !defined(__CUDA_ARCH__)
@@ -37,21 +127,28 @@ ROPE_HD void assert_aligned(const void* ptr, int bytes) {
 #endif
 }
 
+// Elements of T per vector access when moving N of them (at most 16 bytes).
+template <class T, int N>
+constexpr int chunk_of() {
+  return int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
+}
+
 // dst[0..N) = src[0..N); as 16-byte (or smaller, naturally aligned) vector
 // accesses when Vectorized, element by element otherwise.
 template <bool Vectorized, class T, int N>
 ROPE_HD void load_n(const T* src, T (&dst)[N]) {
   if constexpr (Vectorized && N > 1) {
-    constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
-ROPE_UNROLL
+    constexpr int chunk = chunk_of<T, N>();
+    using W = typename Word<chunk* int(sizeof(T))>::type;
+    ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
-      assert_aligned(src + i, chunk * int(sizeof(T)));
-      const Vec<T, chunk> v = *reinterpret_cast<const Vec<T, chunk>*>(src + i);
-ROPE_UNROLL
-      for (int k = 0; k < chunk; ++k) dst[i + k] = v.v[k];
+      assert_aligned(src + i, int(sizeof(W)));
+      uint32_t w[sizeof(W) / 4];
+      get_word(load_word<W>(src + i), w);
+      from_words<T, chunk>(w, dst + i);
     }
   } else {
-ROPE_UNROLL
+    ROPE_UNROLL
     for (int i = 0; i < N; ++i) dst[i] = src[i];
   }
 }
@@ -59,17 +156,19 @@ ROPE_UNROLL
 template <bool Vectorized, class T, int N>
 ROPE_HD void store_n(T* dst, const T (&src)[N]) {
   if constexpr (Vectorized && N > 1) {
-    constexpr int chunk = int(N * sizeof(T)) > 16 ? int(16 / sizeof(T)) : N;
-ROPE_UNROLL
+    constexpr int chunk = chunk_of<T, N>();
+    using W = typename Word<chunk* int(sizeof(T))>::type;
+    ROPE_UNROLL
     for (int i = 0; i < N; i += chunk) {
-      assert_aligned(dst + i, chunk * int(sizeof(T)));
-      Vec<T, chunk> v;
-ROPE_UNROLL
-      for (int k = 0; k < chunk; ++k) v.v[k] = src[i + k];
-      *reinterpret_cast<Vec<T, chunk>*>(dst + i) = v;
+      assert_aligned(dst + i, int(sizeof(W)));
+      uint32_t w[sizeof(W) / 4];
+      to_words<T, chunk>(src + i, w);
+      W word;
+      set_word(word, w);
+      store_word(dst + i, word);
     }
   } else {
-ROPE_UNROLL
+    ROPE_UNROLL
     for (int i = 0; i < N; ++i) dst[i] = src[i];
   }
 }
@@ -130,17 +229,21 @@ inline Launch plan_launch(const RopeParams& p, int x_size, int cs_size, int64_t 
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
   l.block_x = lanes < 256 ? lanes : 256;
   // About 128 threads per block, each walking a few heads with its cos/sin.
-  const int64_t rows = 128 / l.block_x;
-  l.block_y = rows < 1 ? 1 : (rows < heads ? rows : (heads < 1 ? 1 : heads));
-  l.grid_x = p.n_tokens < 0x7fffffff ? p.n_tokens : 0x7fffffff;
+  const int64_t rows = l.block_x < 128 ? 128 / l.block_x : 1;
+  l.block_y = heads < 1 ? 1 : (rows < heads ? rows : heads);
+  // Prefill: as many blocks as fit on the GPU at once (16 blocks of <= 128
+  // threads per SM), each striding over tokens.
+  const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
+  l.grid_x = p.n_tokens < resident ? p.n_tokens : resident;
   l.grid_y = 1;
   const int64_t target = 4 * num_sms;  // blocks that fill the GPU
-  if (p.n_tokens < target) {
-    const int64_t max_y = (heads + l.block_y - 1) / l.block_y;
-    const int64_t want = (target + p.n_tokens - 1) / p.n_tokens;
-    l.grid_y = want < max_y ? want : max_y;
+  if (p.n_tokens < target && heads > 0) {
+    // Few tokens (decode): spread the heads of each token over blocks.
+    const int64_t per_token = (target + p.n_tokens - 1) / p.n_tokens;
+    const int64_t rows_needed = (heads + per_token - 1) / per_token;
+    if (rows_needed < l.block_y) l.block_y = rows_needed;
+    l.grid_y = (heads + l.block_y - 1) / l.block_y;
     if (l.grid_y > 65535) l.grid_y = 65535;
-    if (l.grid_y < 1) l.grid_y = 1;
   }
   return l;
 }
@@ -169,14 +272,14 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
           CS cr[P], sr[P];
           load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
           load_n<Vectorized>(cs + pos * p.cs_row_stride + h + j0, sr);
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) {
             cv[k] = A(to_acc(cr[k]));
             sv[k] = p.inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
           }
         } else {
           // Never read outside the cache: this token's rotated features are NaN.
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) cv[k] = sv[k] = A(NAN);
         }
       }
@@ -194,7 +297,7 @@ ROPE_UNROLL
         } else if (Interleaved) {
           T x[2 * P], y[2 * P];
           load_n<Vectorized && (2 * P == V)>(in + 2 * j0, x);
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) {
             A y1, y2;
             rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
@@ -206,7 +309,7 @@ ROPE_UNROLL
           T x1[P], x2[P], y1[P], y2[P];
           load_n<Vectorized>(in + j0, x1);
           load_n<Vectorized>(in + h + j0, x2);
-ROPE_UNROLL
+          ROPE_UNROLL
           for (int k = 0; k < P; ++k) {
             A a, b;
             rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);

@@ -1,0 +1,396 @@
+"""Drop-in adapters: HF transformers, vLLM-style servers, and two well-known RoPE code forms.
+
+* :func:`apply_rotary_pos_emb` - transformers' function (``q * cos + rotate_half(q) * sin``), same
+  arguments, broadcasting, output dtypes and gradients, computed by rope_ext's op.
+* :func:`patch_transformers` / :func:`unpatch_transformers` - route a loaded Llama, Mistral or Qwen2
+  model's RoPE through rope_ext.
+* :func:`rotary_embedding` - vLLM's in-place ``rotary_embedding(positions, query, key, head_size,
+  cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors.
+* :class:`RotaryPositionalEmbeddings` - seq-first ``[seq, batch, heads, features]`` module rotating the
+  first ``d`` features, half-split pairing (the layout of labml's annotated implementation).
+* :func:`apply_rotary_emb` / :func:`precompute_freqs_cis` - Meta's Llama complex form.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .cache import RopeCache
+from .module import _target_device
+from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_
+from .reference import rotate_half
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "patch_transformers",
+    "unpatch_transformers",
+    "rotary_embedding",
+    "RotaryPositionalEmbeddings",
+    "apply_rotary_emb",
+    "precompute_freqs_cis",
+]
+
+_OP_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF transformers
+
+
+def _hf_formula(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _fast_path(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether the op computes exactly what the formula would (shapes, dtypes, devices, grads)."""
+    d = q.shape[-1]
+    if cos.shape != sin.shape or cos.dim() > min(q.dim(), k.dim()) or cos.dim() == 0:
+        return False
+    if d % 2 or k.shape[-1] != d or cos.shape[-1] != d:
+        return False
+    if cos.is_complex() or sin.is_complex() or cos.dtype != sin.dtype:
+        return False
+    if not all(t.dtype in _OP_DTYPES for t in (q, k, cos)):
+        return False
+    if not (q.device == k.device == cos.device == sin.device):
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return False  # the op gives no gradient to cos / sin; the formula does
+    lead = cos.shape[:-1]
+    try:
+        return (
+            torch.broadcast_shapes(q.shape[:-1], lead) == q.shape[:-1]
+            and torch.broadcast_shapes(k.shape[:-1], lead) == k.shape[:-1]
+        )
+    except RuntimeError:
+        return False
+
+
+def _duplicated_halves(cos: Tensor, sin: Tensor) -> bool:
+    h = cos.shape[-1] // 2
+    return torch.equal(cos[..., :h], cos[..., h:]) and torch.equal(sin[..., :h], sin[..., h:])
+
+
+def _rotate_hf(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int, check_halves: bool
+) -> tuple[Tensor, Tensor]:
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    if not _fast_path(q, k, cos, sin) or (
+        check_halves and not torch.compiler.is_compiling() and not _duplicated_halves(cos, sin)
+    ):
+        return _hf_formula(q, k, cos, sin)
+    dq = torch.promote_types(q.dtype, cos.dtype)
+    dk = torch.promote_types(k.dtype, cos.dtype)
+    q = q.to(dq) if q.dtype != dq else q
+    k = k.to(dk) if k.dtype != dk else k
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    h = cos.shape[-1] // 2
+    lead = cos.shape[:-1]
+    n = 1
+    for s in lead:
+        n *= s
+    table = torch.cat([cos[..., :h], sin[..., :h]], dim=-1).reshape(n, 2 * h)
+    positions = torch.arange(n, device=cos.device).view(lead)
+    if dq == dk and table.dtype in (torch.float32, dq):
+        return apply_rotary_qk(q, k, positions, table)
+    tq = table if table.dtype in (torch.float32, dq) else table.float()
+    tk = table if table.dtype in (torch.float32, dk) else table.float()
+    return apply_rotary(q, positions, tq), apply_rotary(k, positions, tk)
+
+
+def apply_rotary_pos_emb(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """transformers' ``apply_rotary_pos_emb``:
+    ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` after
+    ``cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)``.
+
+    ``q`` ``[batch, heads, seq, head_dim]`` and ``k`` (its own head count) with ``cos`` / ``sin``
+    ``[batch, seq, head_dim]`` and ``unsqueeze_dim=1`` (``unsqueeze_dim=2`` for ``[batch, seq, heads,
+    head_dim]``); any shapes that broadcast as in transformers. ``position_ids`` is accepted and ignored
+    (as in transformers 4.x, where it is deprecated and unused). Outputs have transformers' dtypes (the
+    promotion of ``q`` / ``k`` with ``cos`` / ``sin``); gradients flow to ``q`` and ``k`` (and to ``cos``
+    / ``sin`` when they require grad: that case uses the formula itself).
+
+    The op reads ``cos[..., :head_dim/2]`` and ``sin[..., :head_dim/2]`` as the pair values, which is what
+    every transformers rotary embedding builds (``cat((freqs, freqs))``). Eagerly, the two halves are
+    compared first (one pass over ``cos`` / ``sin``, which are ``heads`` times smaller than ``q``) and the
+    formula is used when they differ; under ``torch.compile`` they are assumed equal. Arithmetic is float32
+    (transformers rounds after each product in the input dtype): for bf16 / fp16 results can differ by an
+    ulp, more accurate than the formula.
+    """
+    return _rotate_hf(q, k, cos, sin, unsqueeze_dim, check_halves=True)
+
+
+def _patched_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    # Installed in a patched model's modeling module: its cos / sin come from a rotary embedding
+    # (duplicated halves by construction), so the eager check is skipped.
+    return _rotate_hf(q, k, cos, sin, unsqueeze_dim, check_halves=False)
+
+
+_patched_apply_rotary_pos_emb._rope_ext = True  # type: ignore[attr-defined]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ORIGINAL_APPLY: dict[str, Any] = {}
+
+
+class HFRotaryAdapter(nn.Module):
+    """Replaces a transformers ``*RotaryEmbedding``: ``forward(x, position_ids) -> (cos, sin)``, each
+    ``[batch, seq, head_dim]`` in ``x.dtype`` (``cat((c, c))`` with the attention factor applied), read
+    from rope_ext caches (float64 angles, float32 table) instead of float32 angles.
+
+    Length-dependent variants follow transformers' per-call rule (``seq_len = max(position_ids) + 1``):
+    ``dynamic`` grows its base with ``seq_len`` and resets when a call is back under the trained length
+    (eager only: under ``torch.compile`` the table as sized is used); ``longrope`` picks the long or
+    short table per call, in-graph. Eagerly, the table grows to cover ``seq_len`` (one device sync per
+    forward on CUDA); under ``torch.compile`` it must already be large enough (``max_positions``).
+    """
+
+    def __init__(self, original: nn.Module, config: Any, max_positions: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_original", original)  # not a submodule: kept for unpatching
+        self.config = config
+        probe = RopeCache.from_hf_config(config, max_positions=1)
+        self.rope_type = probe.rope_type
+        self.original_max = probe.scaling.get("original_max_position_embeddings")
+        if self.rope_type == "longrope":
+            o = self.original_max
+            self.caches = {
+                "short": RopeCache.from_hf_config(config, max_positions=o).reserve(max_positions),
+                "long": RopeCache.from_hf_config(config, max_positions=o + 1).reserve(max_positions),
+            }
+        elif self.rope_type == "dynamic":
+            self.caches = {"main": RopeCache.from_hf_config(config, max_positions=self.original_max)}
+            self.caches["main"].reserve(max_positions)
+        else:
+            self.caches = {"main": RopeCache.from_hf_config(config, max_positions=max_positions)}
+        self._device = torch.device("cpu")
+        self._tables = {k: c.cos_sin for k, c in self.caches.items()}
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self._original._apply(fn, recurse)
+        self._device = _target_device(fn, self._device)
+        self._tables = {k: c.cos_sin_on(self._device) for k, c in self.caches.items()}
+        return self
+
+    def _eager_update(self, position_ids: Tensor, device: torch.device) -> None:
+        if position_ids.numel() == 0:
+            return
+        n = int(position_ids.max()) + 1
+        if self.rope_type == "dynamic":
+            c = self.caches["main"]
+            if n > c.seq_len:
+                c.set_seq_len(n)
+            elif n < self.original_max < c.seq_len:
+                c.set_seq_len(self.original_max)
+        for c in self.caches.values():
+            c.reserve(n)
+        self._device = device
+        self._tables = {k: c.cos_sin_on(device) for k, c in self.caches.items()}
+
+    def forward(
+        self, x: Tensor, position_ids: Tensor, layer_type: str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        if not torch.compiler.is_compiling():
+            self._eager_update(position_ids, x.device)
+        if self.rope_type == "longrope":
+            use_long = (position_ids.max() + 1) > self.original_max
+            rows = torch.where(
+                use_long, self._tables["long"][position_ids], self._tables["short"][position_ids]
+            )
+        else:
+            rows = self._tables["main"][position_ids]
+        h = rows.shape[-1] // 2
+        c, s = rows[..., :h], rows[..., h:]
+        return torch.cat([c, c], dim=-1).to(x.dtype), torch.cat([s, s], dim=-1).to(x.dtype)
+
+
+def _rotary_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if name == "rotary_emb" and type(child).__name__.endswith("RotaryEmbedding"):
+                found.append((parent, name, child))
+    return found
+
+
+def patch_transformers(model: nn.Module, *, max_positions: int | None = None) -> nn.Module:
+    """Route a loaded transformers Llama, Mistral or Qwen2 model's RoPE through rope_ext; returns ``model``.
+
+    Two things change. (1) ``model.model.rotary_emb`` is replaced by an :class:`HFRotaryAdapter`: cos / sin
+    come from a :class:`~rope_ext.RopeCache` built by ``from_hf_config(model.config)`` (float64 angles)
+    with ``max_positions`` rows up front (default ``config.max_position_embeddings``). (2) The attention
+    layers call ``apply_rotary_pos_emb`` as a global of their modeling module (e.g.
+    ``transformers.models.llama.modeling_llama``); that global is replaced by rope_ext's
+    implementation, so q and k are rotated by rope_ext's op (one call for both, float32 arithmetic,
+    differentiable). (2) is per model class, not per instance: other models of the same family in the
+    process also use the op, with transformers' semantics. The patched model runs under
+    ``torch.compile(fullgraph=True)``. :func:`unpatch_transformers` undoes both.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TypeError(
+            f"patch_transformers supports model_type in {list(SUPPORTED_MODEL_TYPES)}, got {model_type!r}"
+        )
+    found = _rotary_modules(model)
+    if not found:
+        raise TypeError(f"no rotary_emb module found in {type(model).__name__}")
+    if max_positions is None:
+        max_positions = int(getattr(config, "max_position_embeddings", 2048))
+    for parent, name, child in found:
+        if isinstance(child, HFRotaryAdapter):
+            continue
+        modeling = sys.modules[type(child).__module__]
+        current = getattr(modeling, "apply_rotary_pos_emb", None)
+        if current is None:
+            raise TypeError(f"{modeling.__name__} has no apply_rotary_pos_emb to patch")
+        adapter = HFRotaryAdapter(child, child.config if hasattr(child, "config") else config, max_positions)
+        device = next((b.device for b in child.buffers()), torch.device("cpu"))
+        adapter.to(device)
+        setattr(parent, name, adapter)
+        if not getattr(current, "_rope_ext", False):
+            _ORIGINAL_APPLY[modeling.__name__] = current
+            modeling.apply_rotary_pos_emb = _patched_apply_rotary_pos_emb
+    return model
+
+
+def unpatch_transformers(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_transformers`: the original rotary module and modeling-module function return."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, HFRotaryAdapter):
+                setattr(parent, name, child._original)
+                modeling = sys.modules[type(child._original).__module__]
+                original = _ORIGINAL_APPLY.pop(modeling.__name__, None)
+                if original is not None:
+                    modeling.apply_rotary_pos_emb = original
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM
+
+
+def rotary_embedding(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor | None,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox: bool,
+) -> None:
+    """vLLM's ``rotary_embedding`` custom op: rotate ``query`` and ``key`` in place.
+
+    ``positions`` int64/int32 ``[num_tokens]`` (or ``[batch, seq]``); ``query`` ``[num_tokens, num_heads *
+    head_size]`` (or ``[num_tokens, num_heads, head_size]``, or with ``[batch, seq]`` leading dims), token
+    stride free (a slice of a packed QKV tensor works), last dim contiguous; ``key`` likewise with its own
+    head count, or ``None``. ``cos_sin_cache`` ``[max_position, rot_dim]`` (cos half, sin half); the first
+    ``rot_dim <= head_size`` features of each head rotate, the rest are untouched. ``is_neox``: half-split
+    pairs (GPT-NeoX) if true, interleaved (GPT-J) if false. A cache in a dtype other than float32 and
+    ``query``'s is used as float32. Returns ``None``.
+    """
+    if cos_sin_cache.dtype not in (torch.float32, query.dtype):
+        cos_sin_cache = cos_sin_cache.float()
+    pdim = positions.dim()
+
+    def heads(x: Tensor) -> Tensor:
+        if x.dim() == pdim + 1:
+            return x.unflatten(-1, (-1, head_size))
+        if x.dim() == pdim + 2 and x.shape[-1] == head_size:
+            return x
+        raise ValueError(
+            f"expected [*positions.shape, num_heads * {head_size}] or [..., num_heads, {head_size}], "
+            f"got {tuple(x.shape)} with positions {tuple(positions.shape)}"
+        )
+
+    q = heads(query)
+    k = heads(key) if key is not None else None
+    apply_rotary_qk_(q, k, positions[..., None], cos_sin_cache, interleaved=not is_neox)
+
+
+# ---------------------------------------------------------------------------------------------
+# labml-style seq-first module
+
+
+class RotaryPositionalEmbeddings(nn.Module):
+    """RoPE for ``x`` ``[seq_len, batch, heads, features]``: token ``s`` is at position ``s``, the first ``d``
+    features rotate with half-split pairs ``(i, i + d/2)``, ``theta_i = base ** (-2i / d)``; features past
+    ``d`` pass through. Output has ``x``'s shape and dtype (the table is float32 with float64 angles).
+    ``d`` must be even.
+    """
+
+    def __init__(self, d: int, base: int | float = 10_000) -> None:
+        super().__init__()
+        self.d = d
+        self.base = base
+        self.cache = RopeCache(d, float(base), max_positions=1)
+        self._device = torch.device("cpu")
+        self._table = self.cache.cos_sin
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self._device = _target_device(fn, self._device)
+        self._table = self.cache.cos_sin_on(self._device)
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[-1] < self.d:
+            raise ValueError(f"x must be [seq_len, batch, heads, features >= {self.d}], got {tuple(x.shape)}")
+        seq = x.shape[0]
+        if not torch.compiler.is_compiling():
+            self.cache.ensure(seq)
+            self._device = x.device
+            self._table = self.cache.cos_sin_on(x.device)
+        positions = torch.arange(seq, device=x.device)[:, None, None]
+        return apply_rotary(x if x.stride(-1) == 1 else x.contiguous(), positions, self._table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta's complex form
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> Tensor:
+    """complex64 ``[end, dim / 2]``: ``exp(i * p * theta ** (-2j / dim))`` (Meta's ``precompute_freqs_cis``),
+    from float64 angles."""
+    t = RopeCache(dim, theta, max_positions=end).cos_sin
+    h = dim // 2
+    return torch.complex(t[:, :h].contiguous(), t[:, h:].contiguous())
+
+
+def apply_rotary_emb(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
+    """Meta's ``apply_rotary_emb``: pairs ``(2j, 2j+1)`` of ``xq`` ``[batch, seq, heads, head_dim]`` (and
+    ``xk``, its own head count) as complex numbers times ``freqs_cis`` ``[seq, head_dim / 2]`` (complex).
+    Float32 arithmetic, outputs in the inputs' dtypes (``type_as``); differentiable in ``xq`` and ``xk``
+    (and ``freqs_cis`` when it requires grad, through the complex formula)."""
+    s, d = xq.shape[1], xq.shape[-1]
+    if xq.dim() != 4 or xk.dim() != 4 or tuple(freqs_cis.shape) != (s, d // 2) or not freqs_cis.is_complex():
+        raise ValueError(
+            "expected xq, xk [batch, seq, heads, head_dim] and complex freqs_cis "
+            f"[seq, head_dim/2] = {(s, d // 2)}, "
+            f"got {tuple(xq.shape)}, {tuple(xk.shape)}, {tuple(freqs_cis.shape)}"
+        )
+    if torch.is_grad_enabled() and freqs_cis.requires_grad:
+        f = freqs_cis[None, :, None, :]
+        oq = torch.view_as_real(torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2)) * f).flatten(
+            3
+        )
+        ok = torch.view_as_real(torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2)) * f).flatten(
+            3
+        )
+        return oq.type_as(xq), ok.type_as(xk)
+    tdtype = torch.float64 if xq.dtype == torch.float64 and xk.dtype == torch.float64 else torch.float32
+    table = torch.cat([freqs_cis.real, freqs_cis.imag], dim=-1).to(tdtype)
+    positions = torch.arange(s, device=xq.device)[:, None]
+    q = xq if xq.stride(-1) == 1 else xq.contiguous()
+    k = xk if xk.stride(-1) == 1 else xk.contiguous()
+    return apply_rotary_qk(q, k, positions, table, interleaved=True)

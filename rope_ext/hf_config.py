@@ -1,0 +1,116 @@
+"""Read the RoPE settings out of a transformers config (object or dict, 4.x or 5.x form)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .scaling import KNOWN_ROPE_TYPES
+
+__all__ = ["parse_hf_config"]
+
+_MISSING = object()
+# Keys of a flat rope parameters dict (to tell it from a dict nested per layer type).
+_FLAT_KEYS = {"rope_type", "type", "rope_theta", "factor", "partial_rotary_factor"}
+
+
+def _getter(config: Any):
+    if isinstance(config, Mapping):
+        return lambda key, default=None: config.get(key, default)
+    return lambda key, default=None: getattr(config, key, default)
+
+
+def _is_nested(params: Mapping[str, Any]) -> bool:
+    return (
+        bool(params)
+        and not (_FLAT_KEYS & set(params))
+        and all(v is None or isinstance(v, Mapping) for v in params.values())
+    )
+
+
+def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int, int, float, dict[str, Any]]:
+    """``(head_dim, rotary_dim, base, scaling)`` of a transformers config.
+
+    See :meth:`rope_ext.RopeCache.from_hf_config` for the forms read.
+
+    ``scaling`` is an un-normalized dict ready for :func:`rope_ext.scaling.normalize_scaling`, with the
+    lengths transformers would use: ``original_max_position_embeddings`` (top-level value first, as
+    transformers does for Phi-3, then the rope dict's, then ``max_position_embeddings``) and, for
+    ``dynamic``, ``max_position_embeddings``.
+    """
+    get = _getter(config)
+    if get("head_dim") is None and get("hidden_size") is None and get("text_config") is not None:
+        return parse_hf_config(get("text_config"), layer_type=layer_type)
+
+    params = get("rope_parameters")
+    legacy = params is None
+    if legacy:
+        params = get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"'rope_parameters' / 'rope_scaling' must be a dict, got {type(params).__name__}")
+    if _is_nested(params):
+        if layer_type is None:
+            raise ValueError(
+                f"'rope_parameters' is nested per layer type; pass layer_type= one of {sorted(params)}"
+            )
+        if params.get(layer_type) is None:
+            raise ValueError(
+                f"'rope_parameters' has no entry for layer_type {layer_type!r}; has {sorted(params)}"
+            )
+        params = params[layer_type]
+    params = dict(params)
+
+    base = params.get("rope_theta", _MISSING)
+    if base is _MISSING or base is None:
+        base = get("rope_theta", None)
+    if base is None:
+        base = 10000.0  # transformers' default_theta
+
+    head_dim = get("head_dim")
+    if head_dim is None:
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        if hidden is None or heads is None:
+            raise ValueError(
+                "config needs 'head_dim' (expected an int > 0) or 'hidden_size' and 'num_attention_heads'"
+            )
+        head_dim = hidden // heads
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"'head_dim' must be an int > 0, got {head_dim!r}")
+
+    prf = params.get("partial_rotary_factor")
+    if prf is None:
+        prf = get("partial_rotary_factor")
+    if prf is None:
+        prf = get("rotary_pct")
+    if prf is not None:
+        if not isinstance(prf, (int, float)) or not 0 < prf <= 1:
+            raise ValueError(f"'partial_rotary_factor' must be in (0, 1], got {prf!r}")
+        rotary_dim = int(head_dim * prf)
+    else:
+        rotary_dim = get("rotary_dim") or head_dim  # GPT-J names the rotary size directly
+    if not isinstance(rotary_dim, int) or rotary_dim > head_dim:
+        raise ValueError(f"'rotary_dim' must be an int <= head_dim = {head_dim}, got {rotary_dim!r}")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(
+            f"rotary dim (head_dim * partial_rotary_factor) must be even and > 0, got {rotary_dim}"
+        )
+
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)
+    if rope_type not in KNOWN_ROPE_TYPES:
+        raise ValueError(f"unknown RoPE scaling 'rope_type' {rope_type!r}; known: {list(KNOWN_ROPE_TYPES)}")
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    scaling["rope_type"] = rope_type
+
+    mpe = get("max_position_embeddings")
+    if rope_type in ("llama3", "yarn", "longrope"):
+        top = get("original_max_position_embeddings")
+        if top is not None:
+            scaling["original_max_position_embeddings"] = top
+        elif scaling.get("original_max_position_embeddings") is None and mpe is not None:
+            scaling["original_max_position_embeddings"] = mpe
+    if rope_type == "dynamic" and mpe is not None:
+        scaling["original_max_position_embeddings"] = mpe  # transformers' dynamic NTK trained length
+    if mpe is not None and rope_type in ("yarn", "longrope"):
+        scaling["max_position_embeddings"] = mpe
+    return head_dim, rotary_dim, float(base), scaling

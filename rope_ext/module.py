@@ -1,0 +1,154 @@
+"""``RotaryEmbedding``: the nn.Module a model author drops into an attention block."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .cache import RopeCache
+from .ops import apply_rotary_qk, apply_rotary_qk_
+
+__all__ = ["RotaryEmbedding"]
+
+
+def _target_device(fn, current: torch.device) -> torch.device:
+    """The device ``module._apply(fn)`` moves tensors to (probed on an empty tensor)."""
+    try:
+        return fn(torch.empty(0, device=current)).device
+    except Exception:  # fn that does not accept an arbitrary tensor: keep the device
+        return current
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding of ``q`` and ``k`` backed by a :class:`~rope_ext.RopeCache`.
+
+    Layout: ``q`` is ``[batch, seq, heads, head_dim]`` (``k`` the same with its own head count), or
+    ``[seq, heads, head_dim]`` without a batch dim; any float dtype, last dim contiguous, other strides
+    free. The first ``rotary_dim`` features of each head rotate (half-split pairs ``(j, j + rotary_dim/2)``,
+    or ``(2j, 2j+1)`` when ``interleaved``); the rest pass through.
+
+    ``forward(q, k, positions=None, *, offset=0, inplace=False)`` returns the rotated ``(q, k)``:
+
+    * without ``positions``, token ``s`` of the sequence dim (dim ``-3``) is at position ``offset + s``
+      (``offset``: a Python int, e.g. the number of tokens already in the KV cache); the table grows to
+      ``offset + seq`` if needed (outside ``torch.compile``);
+    * ``positions`` (int32/int64) is either per token, shaped like the trailing token dims of ``q``
+      (``[batch, seq]``, or ``[seq]`` shared by the batch; packed sequences and left padding welcome),
+      or any other shape that broadcasts to ``q.shape[:-1]``. Positions are not scanned (no device
+      sync): they must be below the table's capacity, ``max_positions`` or what ``ensure`` made
+      available;
+    * ``inplace=True`` rotates ``q`` and ``k`` in their own storage (no allocation, not differentiable) and
+      returns them.
+
+    The cos/sin table stays float32 (float64 angles) whatever ``module.to(dtype)`` does; ``module.to(device)``
+    moves it (one copy per device). Size the table up front (``max_positions``) before ``torch.compile``
+    or CUDA graph capture; see :class:`~rope_ext.RopeCache`.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        rotary_dim: int | None = None,
+        base: float = 10000.0,
+        scaling: Mapping[str, Any] | None = None,
+        interleaved: bool = False,
+        max_positions: int = 2048,
+    ) -> None:
+        super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if not isinstance(rotary_dim, int) or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim must be an int <= head_dim = {head_dim}, got {rotary_dim!r}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.interleaved = bool(interleaved)
+        self.cache = RopeCache(rotary_dim, base, max_positions=max_positions, scaling=scaling)
+        self._device = self.cache.device
+        self._table = self.cache.cos_sin
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        layer_type: str | None = None,
+        interleaved: bool = False,
+        max_positions: int = 2048,
+        device: torch.device | str | None = None,
+    ) -> RotaryEmbedding:
+        """Module for a transformers config (object or dict; see :meth:`RopeCache.from_hf_config`).
+
+        ``interleaved`` for checkpoints in GPT-J / Meta pairing; ``device`` moves the module there.
+        """
+        from .hf_config import parse_hf_config
+
+        head_dim, rotary_dim, base, scaling = parse_hf_config(config, layer_type=layer_type)
+        m = cls(
+            head_dim,
+            rotary_dim=rotary_dim,
+            base=base,
+            scaling=scaling,
+            interleaved=interleaved,
+            max_positions=max_positions,
+        )
+        return m if device is None else m.to(device)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self._device = _target_device(fn, self._device)
+        self._table = self.cache.cos_sin_on(self._device)
+        return self
+
+    def ensure(self, n: int) -> RotaryEmbedding:
+        """Make positions ``0 .. n-1`` available (see :meth:`RopeCache.ensure`)."""
+        self.cache.ensure(n)
+        self._table = self.cache.cos_sin_on(self._device)
+        return self
+
+    def cos_sin(self, device: torch.device | None = None) -> Tensor:
+        """The float32 ``[capacity, rotary_dim]`` table (cos half, sin half) on ``device``."""
+        return self.cache.cos_sin_on(device if device is not None else self._device)
+
+    def forward(
+        self, q: Tensor, k: Tensor, positions: Tensor | None = None, *, offset: int = 0, inplace: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        if q.dim() < 3 or k.dim() != q.dim():
+            raise ValueError(
+                "q and k must be [batch, seq, heads, head_dim] or [seq, heads, head_dim], "
+                f"got {tuple(q.shape)} and {tuple(k.shape)}"
+            )
+        if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"q and k must have head_dim = {self.head_dim}, got {q.shape[-1]} and {k.shape[-1]}"
+            )
+        if positions is None:
+            seq = q.shape[-3]
+            if not torch.compiler.is_compiling():
+                self.cache.ensure(offset + seq)  # a no-op unless the length is new
+                self._device = q.device
+                self._table = self.cache.cos_sin_on(q.device)  # current table (grown / rebuilt / moved)
+            positions = torch.arange(offset, offset + seq, device=q.device)[:, None]
+        else:
+            nd = positions.dim()
+            if 0 < nd <= q.dim() - 2 and tuple(positions.shape) == tuple(q.shape[-2 - nd : -2]):
+                positions = positions[..., None]  # per token: broadcast over heads
+            if not torch.compiler.is_compiling():
+                self._device = q.device
+                self._table = self.cache.cos_sin_on(q.device)
+        table = self._table
+        if inplace:
+            apply_rotary_qk_(q, k, positions, table, interleaved=self.interleaved)
+            return q, k
+        return apply_rotary_qk(q, k, positions, table, interleaved=self.interleaved)
+
+    def extra_repr(self) -> str:
+        c = self.cache
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={c.base}, "
+            f"rope_type={c.rope_type!r}, interleaved={self.interleaved}, capacity={c.capacity}"
+        )

@@ -1,0 +1,59 @@
+"""Ways to run the rotary kernels, so that every reference comparison covers each of them.
+
+* ``cpu``        - the registered ops on CPU tensors (the AVX2 or portable CPU kernel);
+* ``cuda``       - the registered ops on a GPU (skipped without one);
+* ``emu-tokens`` - the CUDA kernel body run on the CPU over the token-parallel grid;
+* ``emu-heads``  - the same over the grid that splits heads across blocks (few tokens, many SMs);
+* ``emu-scalar`` - the CUDA body with 16-byte vector accesses disabled (the scalar fallback).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_ext
+
+HAS_CUDA = torch.cuda.is_available()
+BACKENDS = ["cpu", "cuda", "emu-tokens", "emu-heads", "emu-scalar"]
+_EMULATION = {"emu-tokens": (1, False), "emu-heads": (100_000, False), "emu-scalar": (4, True)}
+
+
+def device_of(backend: str) -> torch.device:
+    if backend == "cuda":
+        if not HAS_CUDA:
+            pytest.skip("no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def emulate(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False):
+    """Runs the CUDA kernel body on the host; returns (q_out, k_out, launch)."""
+    num_sms, scalar = _EMULATION[backend]
+    q_out = q if inplace else torch.empty_like(q)
+    k_out = None if k is None else (k if inplace else torch.empty_like(k))
+    launch = torch.ops.rope_ext._cuda_emulated(
+        q, k, q_out, k_out, positions, cos_sin, interleaved, inverse, num_sms, scalar
+    )
+    return q_out, k_out, launch
+
+
+def rotate_qk(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False):
+    """Rotates q (and k, which may be None) with `backend`; returns the rotated (q, k)."""
+    if backend.startswith("emu"):
+        q_out, k_out, _ = emulate(
+            backend, q, k, positions, cos_sin, interleaved=interleaved, inverse=inverse, inplace=inplace
+        )
+        return q_out, k_out
+    if inplace:
+        assert not inverse
+        rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, interleaved=interleaved)
+        return q, k
+    if k is None:
+        return rope_ext.apply_rotary(q, positions, cos_sin, interleaved=interleaved, inverse=inverse), None
+    if inverse:
+        return (
+            rope_ext.apply_rotary(q, positions, cos_sin, interleaved=interleaved, inverse=True),
+            rope_ext.apply_rotary(k, positions, cos_sin, interleaved=interleaved, inverse=True),
+        )
+    return rope_ext.apply_rotary_qk(q, k, positions, cos_sin, interleaved=interleaved)

@@ -1,0 +1,59 @@
+"""CMakeLists.txt builds the same op library against libtorch, loadable with torch.ops.load_library."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+def test_cmake_build_loads_and_matches(tmp_path):
+    args = [
+        "cmake",
+        "-S",
+        str(ROOT),
+        "-B",
+        str(tmp_path),
+        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+    ]
+    # A CUDA build of libtorch links nvrtc; pip-installed CUDA keeps it beside torch, not in the toolkit.
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    nvrtc = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so.*"))
+    if torch.version.cuda and nvrtc:
+        args.append(f"-DCUDA_nvrtc_LIBRARY={os.path.realpath(sorted(nvrtc)[0])}")
+    env = dict(os.environ)
+    if not env.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
+        env["CUDA_HOME"] = "/usr/local/cuda"
+    subprocess.run(args, check=True, capture_output=True, env=env)
+    subprocess.run(["cmake", "--build", str(tmp_path), "-j2"], check=True, capture_output=True, env=env)
+    lib = tmp_path / "librope_ext_ops.so"
+    assert lib.exists()
+    # A fresh interpreter without the Python extension: the library alone registers the ops.
+    code = f"""
+import torch
+torch.ops.load_library({str(lib)!r})
+x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
+pos = torch.arange(5)[:, None]
+inv = 10000 ** -(torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+ang = torch.arange(5, dtype=torch.float64)[:, None] * inv
+cs = torch.cat([ang.cos(), ang.sin()], -1).float()
+torch.save(torch.ops.rope_ext.rotary(x, pos, cs, False, False), {str(tmp_path / "out.pt")!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    out = torch.load(tmp_path / "out.pt")
+    import rope_ext
+
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
+    expected = rope_ext.apply_rotary(
+        x, torch.arange(5)[:, None], rope_ext.RopeCache(32, max_positions=5).cos_sin
+    )
+    assert torch.equal(out, expected)
