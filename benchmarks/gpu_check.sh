@@ -30,7 +30,9 @@ timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda or gpu" --juni
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== GPU benchmark"
-timeout 240 "$PY" -m rope_ext.bench --device cuda --gpu-check \
+timeout 240 "$PY" -m rope_ext.bench --device cuda --preset llama-3-8b --dtype bf16,fp16,fp32 --pairing both \
+  --tokens 1024,4096,16384,65536 --decode-tokens 1,4,16,64 --mode inplace,out,backward --rounds 5 \
+  --min-run-time 0.02 --no-progress \
   --json "$OUTDIR/bench.json" --csv "$OUTDIR/bench.csv" --plot "$OUTDIR/bench.png" \
   2>&1 | tee "$OUTDIR/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

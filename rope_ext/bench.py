@@ -21,7 +21,9 @@ Ceilings, measured in the same run on the same number of q and k bytes:
 * ``clone``: ``q.clone()``, ``k.clone()`` (fresh outputs: the floor for any op that returns new tensors);
 * ``copy into``: ``a.copy_(b)`` between float32 buffers of q's plus k's bytes (for reference);
 * ``no-op call``: a registered op with the schema of ``rope_ext::rotary_qk_`` whose kernel does nothing,
-  called through ``torch.ops`` from Python: the cost of a call, to judge small (decode) workloads.
+  called through ``torch.ops`` from Python: the cost of a call, to judge small (decode) workloads;
+* ``tiny kernel`` (GPU only): ``one.zero_()`` on a one-element tensor, the device time of an (almost)
+  empty kernel launch; on a GPU the decode ratio ``x no-op`` is taken against it.
 
 ``% ceil`` is the ceiling's time divided by the provider's time (in place against the in-place stream,
 out of place and backward against clone); cos/sin and positions are not credited to the provider there.
@@ -563,12 +565,17 @@ def ceilings(case: Case) -> dict[str, Callable[[], Any]]:
     noop = noop_op()
     qn, kn = _clones(case)
     pos, cs = case.positions[:, None], case.cos_sin
-    return {
+    out = {
         "stream in-place": lambda: a.mul_(1.0),
         "clone": lambda: (q.clone(), k.clone()),
         "copy into": lambda: a.copy_(src),
         "no-op call": lambda: noop(qn, kn, pos, cs, False, False),
     }
+    if dev.type == "cuda":
+        # The device time of launching a kernel that does (almost) nothing: the floor for decode steps.
+        one = torch.zeros(1, device=dev)
+        out["tiny kernel"] = lambda: one.zero_()
+    return out
 
 
 CEILING_FOR_MODE = {"inplace": "stream in-place", "out": "clone", "backward": "clone"}
@@ -892,7 +899,7 @@ def run_benchmark(
                 runners[key] = fn
         ceils = [ceilings(c) for c in cases]
         for name in ceils[0]:
-            if name == "no-op call" and tokens > 256:
+            if name in ("no-op call", "tiny kernel") and tokens > 256:
                 continue
             fn = _cycle([c[name] for c in ceils])
             key = f"{name}|ceiling"
@@ -925,7 +932,8 @@ def run_benchmark(
 def _derive(wl: dict[str, dict[str, Any]]) -> None:
     """GB/s, fraction of the mode's ceiling, speedup vs eager and call-overhead ratio, in place."""
     eager = {r["mode"]: r for r in wl.values() if r.get("baseline") and "median_s" in r}
-    noop = wl.get("no-op call|ceiling")
+    # On a GPU the decode floor is the device time of a tiny kernel; on a CPU, the cost of a call.
+    noop = wl.get("tiny kernel|ceiling") or wl.get("no-op call|ceiling")
     for r in wl.values():
         t = r.get("median_s")
         if not t:
