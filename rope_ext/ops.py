@@ -109,13 +109,22 @@ def apply_rotary_qk_(
 # Fake kernels (shapes only) for torch.compile / FakeTensor.
 
 
-def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
-    for name, t in (("positions", positions), ("cos_sin", cos_sin)):
+def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x") -> None:
+    """Shape and device checks of the fake kernels."""
+    # Mixed devices that include "meta" dispatch here rather than to a real kernel: reject them
+    # as the real kernels do (else the call would return garbage or skip an in-place rotation).
+    for arg, t in (("positions", positions), ("cos_sin", cos_sin)):
         if t.device != x.device:
-            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
+            raise ValueError(f"{arg} must be on the device of {name} ({x.device}), got {t.device}")
     torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
     torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
     torch._check(positions.dim() < x.dim(), lambda: "positions must broadcast to x.shape[:-1]")
+
+
+def _same_device(q: Tensor, k: Tensor) -> None:
+    """Raises ``ValueError`` unless k is on q's device (as the real kernels do)."""
+    if k.device != q.device:
+        raise ValueError(f"k must be on the device of q ({q.device}), got {k.device}")
 
 
 @torch.library.register_fake("rope_ext::rotary")
@@ -126,16 +135,18 @@ def _rotary_fake(x, positions, cos_sin, interleaved=False, inverse=False):
 
 @torch.library.register_fake("rope_ext::rotary_qk")
 def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
-    _fake_checks(q, positions, cos_sin)
-    _fake_checks(k, positions, cos_sin)
+    _fake_checks(q, positions, cos_sin, "q")
+    _same_device(q, k)
+    _fake_checks(k, positions, cos_sin, "k")
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @torch.library.register_fake("rope_ext::rotary_qk_")
 def _rotary_qk_inplace_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
-    _fake_checks(q, positions, cos_sin)
+    _fake_checks(q, positions, cos_sin, "q")
     if k is not None:
-        _fake_checks(k, positions, cos_sin)
+        _same_device(q, k)
+        _fake_checks(k, positions, cos_sin, "k")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ import torch
 import rope_ext
 from rope_ext import reference
 
+# Registers the hypothesis profiles (ci, long) before --hypothesis-profile is read.
+import _strategies  # noqa: E402, F401, I001
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 HAS_CUDA = torch.cuda.is_available()
 

@@ -91,17 +91,38 @@ std::vector<int64_t> run_starts(const at::Tensor& t, int64_t base,
   return starts;
 }
 
+// Whether two elements of t share memory. Strides that nest (each steps over
+// everything the smaller ones reach) cannot overlap; strides that interleave
+// (sizes [2, 3], strides [3, 2]) are decided exactly by listing the contiguous
+// runs, or reported as overlapping when there are too many runs to list.
 bool self_overlaps(const at::Tensor& t) {
+  if (t.numel() <= 1) return false;
   std::vector<std::pair<int64_t, int64_t>> dims;
-  for (int64_t d = 0; d < t.dim(); ++d)
-    if (t.size(d) > 1) dims.emplace_back(t.size(d), std::abs(t.stride(d)));
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) <= 1) continue;
+    if (t.stride(d) == 0) return true;
+    dims.emplace_back(t.size(d), std::abs(t.stride(d)));
+  }
   std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second < b.second; });
-  // Each stride must step over everything the smaller strides reach.
   int64_t reach = 1;
+  bool nested = true;
   for (auto [size, stride] : dims) {
-    if (stride < reach) return true;
+    if (stride < reach) {
+      nested = false;
+      break;
+    }
     reach = stride * (size - 1) + reach;
   }
+  if (nested) return false;
+  constexpr int64_t kMaxRuns = int64_t(1) << 22;
+  std::vector<std::pair<int64_t, int64_t>> outer;
+  const int64_t run = runs_of(t, outer);
+  int64_t n_runs = 1;
+  for (auto [size, stride] : outer)
+    if ((n_runs *= size) > kMaxRuns) return true;
+  const auto starts = run_starts(t, reinterpret_cast<int64_t>(t.data_ptr()), outer);
+  for (size_t i = 1; i < starts.size(); ++i)
+    if (starts[i] - starts[i - 1] < run) return true;
   return false;
 }
 
@@ -198,8 +219,9 @@ void check_writable(const at::Tensor& q, const at::Tensor* k) {
 rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                              const at::Tensor* k_in, const at::Tensor* k_out,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
-                             bool interleaved, bool inverse) {
-  check_input(q_in, k_in ? "q" : "x");
+                             bool interleaved, bool inverse, const char* q_name) {
+  const char* xname = q_name ? q_name : (k_in ? "q" : "x");
+  check_input(q_in, xname);
   if (k_in) {
     check_input(*k_in, "k");
     TORCH_CHECK_TYPE(k_in->scalar_type() == q_in.scalar_type(), "k must have the dtype of q (",
@@ -211,7 +233,6 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
     TORCH_CHECK_VALUE(k_in->size(-1) == q_in.size(-1), "k must have the head_dim of q (",
                       q_in.size(-1), "), got ", k_in->size(-1));
   }
-  const char* xname = k_in ? "q" : "x";
 
   TORCH_CHECK_TYPE(cos_sin.defined(), "cos_sin must be a tensor, got None");
   TORCH_CHECK_VALUE(cos_sin.dim() == 2,
@@ -350,7 +371,7 @@ void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
                 const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
                 bool inverse, const Backend& backend) {
   const at::Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
-  const auto p = make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse);
+  const auto p = make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, "q");
   check_writable(q, kp);
   run(p, q, backend);
 }

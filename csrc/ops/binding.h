@@ -37,11 +37,12 @@ void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws ValueError / TypeError / IndexError-style c10
-// errors naming the argument; touches no data.
+// errors naming the argument (q_name, default "q" with k and "x" without);
+// touches no data.
 rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                              const at::Tensor* k_in, const at::Tensor* k_out,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
-                             bool interleaved, bool inverse);
+                             bool interleaved, bool inverse, const char* q_name = nullptr);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.

@@ -1,0 +1,197 @@
+"""Randomized agreement with the float64 reference over shapes, layouts, strides, dtypes and pairings.
+
+Every draw (tests/_strategies.py) is checked three ways: the result agrees with
+``reference.rotary_hadamard`` at the project tolerance (pass-through features bit-exact), read-only
+inputs are bit-identical afterwards, and no element outside the written views changed (guard values).
+The CUDA kernel body is checked through its host emulation, on the vector and the scalar path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _strategies import Case, build, cases, property_settings, view_mask
+from _strategies import bits as raw_bits
+from conftest import assert_close_to_reference
+from hypothesis import given
+from hypothesis import strategies as st
+
+import rope_ext
+from rope_ext import reference
+
+ops = torch.ops.rope_ext
+
+
+def expect_rotated(out: torch.Tensor, x: torch.Tensor, case: Case, positions, cos_sin) -> None:
+    """``out`` is ``x`` rotated as ``case`` says: reference agreement, pass-through bit-exact."""
+    assert out.shape == x.shape and out.dtype == x.dtype
+    if out.numel() == 0:
+        return
+    ref = reference.rotary_hadamard(
+        x, positions, cos_sin, interleaved=case.interleaved, inverse=case.inverse
+    )
+    r = case.rotary_dim
+    assert torch.equal(raw_bits(out[..., r:]), raw_bits(x[..., r:])), "pass-through features changed"
+    assert_close_to_reference(out[..., :r], ref[..., :r], x.abs().max().item())
+
+
+def expect_untouched(after: torch.Tensor, before: torch.Tensor, written: list) -> None:
+    """Buffer elements outside the ``written`` views kept their bits."""
+    keep = torch.ones(after.numel(), dtype=torch.bool)
+    for v in written:
+        keep &= ~view_mask(v, after.numel())
+    assert torch.equal(raw_bits(after)[keep], raw_bits(before)[keep]), "an element outside the view changed"
+
+
+def run_checked(case: Case, call, *, inplace: bool, outs=None) -> None:
+    """Builds ``case``, runs ``call(built)`` and checks results, inputs and guards.
+
+    ``call`` returns the rotated q (and k) for out-of-place ops, None in place; ``outs`` are
+    (buffer, view) pairs that the call writes besides the inputs (emulated out-of-place results).
+    """
+    b = build(case)
+    snap = [buf.clone() for buf in b.bufs]
+    pos_snap, cs_snap = b.positions.clone(), b.cos_sin.clone()
+    q0 = case.q.of(snap[0])
+    k0 = None if case.k is None else case.k.of(snap[b.k_buf])
+    result = call(b)
+    if inplace:
+        q_res, k_res = b.q, b.k
+        written = {0: [case.q]}
+        if case.k is not None:
+            written.setdefault(b.k_buf, []).append(case.k)
+    else:
+        q_res, k_res = result if isinstance(result, tuple) else (result, None)
+        written = {}
+    for i, buf in enumerate(b.bufs):
+        expect_untouched(buf, snap[i], written.get(i, []))
+    assert torch.equal(b.positions, pos_snap) and torch.equal(raw_bits(b.cos_sin), raw_bits(cs_snap))
+    expect_rotated(q_res, q0, case, pos_snap, cs_snap)
+    if k0 is not None:
+        expect_rotated(k_res, k0, case, pos_snap, cs_snap)
+
+
+# --------------------------------------------------------------------------------------------
+# The public ops (CPU kernels).
+
+
+@property_settings()
+@given(case=cases(qk=False, inplace=False))
+def test_apply_rotary_matches_reference(case):
+    """apply_rotary: out of place, forward and inverse, read-only input (may be expanded)."""
+    run_checked(
+        case,
+        lambda b: rope_ext.apply_rotary(
+            b.q, b.positions, b.cos_sin, interleaved=case.interleaved, inverse=case.inverse
+        ),
+        inplace=False,
+    )
+
+
+def _qk(case: Case):
+    def call(b):
+        if case.inverse:  # the public wrapper has no inverse flag: the registered op has
+            return ops.rotary_qk.default(b.q, b.k, b.positions, b.cos_sin, case.interleaved, True)
+        return rope_ext.apply_rotary_qk(b.q, b.k, b.positions, b.cos_sin, interleaved=case.interleaved)
+
+    return call
+
+
+@property_settings()
+@given(case=cases(qk=True, inplace=False))
+def test_apply_rotary_qk_matches_reference(case):
+    """apply_rotary_qk: q and k with other head counts, separate / shared / packed buffers."""
+    run_checked(case, _qk(case), inplace=False)
+
+
+def _qk_inplace(case: Case):
+    def call(b):
+        if case.inverse:
+            ops.rotary_qk_.default(b.q, b.k, b.positions, b.cos_sin, case.interleaved, True)
+        else:
+            rope_ext.apply_rotary_qk_(b.q, b.k, b.positions, b.cos_sin, interleaved=case.interleaved)
+
+    return call
+
+
+@property_settings()
+@given(case=st.one_of(cases(qk=True, inplace=True), cases(qk=False, inplace=True)))
+def test_apply_rotary_qk_inplace_matches_reference(case):
+    """apply_rotary_qk_: in place on views of bigger buffers, k optional, packed q/k accepted."""
+    run_checked(case, _qk_inplace(case), inplace=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The CUDA kernel body, run on the host over the CUDA grid.
+
+NUM_SMS = st.sampled_from([1, 4, 16, 132, 100_000])
+
+
+def _emulated(case: Case, num_sms: int, force_scalar: bool, inplace: bool, launch: list):
+    def call(b):
+        if inplace:
+            q_out, k_out = b.q, b.k
+        else:
+            q_out = case.out.of(torch.full((case.out.end() + 3,), 7.0, dtype=case.dtype))
+            k_out = None
+            if b.k is not None:
+                k_out = case.out_k.of(torch.full((case.out_k.end() + 3,), 7.0, dtype=case.dtype))
+            launch.append((q_out, k_out))
+        launch.append(
+            ops._cuda_emulated(
+                b.q, b.k, q_out, k_out, b.positions, b.cos_sin, case.interleaved, case.inverse, num_sms, force_scalar
+            )
+        )
+        return None if inplace else (q_out, k_out)
+
+    return call
+
+
+def _check_out_guards(case: Case, launch: list) -> None:
+    """Out-of-place emulation: elements of the output buffers outside the output views stay 7."""
+    q_out, k_out = launch[0]
+    for out, view in ((q_out, case.out), (k_out, case.out_k)):
+        if out is None:
+            continue
+        buf = out.as_strided((view.end() + 3,), (1,), 0)
+        keep = ~view_mask(view, buf.numel())
+        assert bool((buf[keep] == 7).all()), "emulated kernel wrote outside its output view"
+
+
+def _emulation_case(aligned: bool):
+    return st.tuples(
+        st.booleans(),
+        st.booleans(),
+    ).flatmap(
+        lambda f: st.tuples(
+            st.just(f[0]),
+            cases(qk=f[1], inplace=f[0], aligned=aligned, emulated_out=not f[0]),
+        )
+    )
+
+
+@pytest.mark.parametrize("force_scalar", [False, True], ids=["vector", "scalar"])
+@property_settings(250)
+@given(drawn=_emulation_case(aligned=False), num_sms=NUM_SMS)
+def test_cuda_body_matches_reference(drawn, num_sms, force_scalar):
+    """Emulated CUDA kernel on arbitrary layouts (vector path when the layout allows it)."""
+    inplace, case = drawn
+    launch: list = []
+    run_checked(case, _emulated(case, num_sms, force_scalar, inplace, launch), inplace=inplace)
+    if not inplace:
+        _check_out_guards(case, launch)
+    if force_scalar:
+        assert launch[-1][4] == 0
+
+
+@pytest.mark.parametrize("force_scalar", [False, True], ids=["vector", "scalar"])
+@property_settings(250)
+@given(drawn=_emulation_case(aligned=True), num_sms=NUM_SMS)
+def test_cuda_body_aligned_matches_reference(drawn, num_sms, force_scalar):
+    """Emulated CUDA kernel on layouts whose every access is 16-byte aligned: the vector path runs."""
+    inplace, case = drawn
+    launch: list = []
+    run_checked(case, _emulated(case, num_sms, force_scalar, inplace, launch), inplace=inplace)
+    if not inplace:
+        _check_out_guards(case, launch)
+    assert launch[-1][4] == (0 if force_scalar else 1)
