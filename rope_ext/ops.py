@@ -111,6 +111,9 @@ def apply_rotary_qk_(
 
 def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x") -> None:
     """Shape and device checks of the fake kernels."""
+    for arg, t in ((name, x), ("positions", positions), ("cos_sin", cos_sin)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{arg} must be a tensor, got {type(t).__name__}")
     # Mixed devices that include "meta" dispatch here rather than to a real kernel: reject them
     # as the real kernels do (else the call would return garbage or skip an in-place rotation).
     for arg, t in (("positions", positions), ("cos_sin", cos_sin)):
@@ -123,14 +126,24 @@ def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x")
 
 def _same_device(q: Tensor, k: Tensor) -> None:
     """Raises ``ValueError`` unless k is on q's device (as the real kernels do)."""
+    if not isinstance(k, Tensor):
+        raise TypeError(f"k must be a tensor, got {type(k).__name__}")
     if k.device != q.device:
         raise ValueError(f"k must be on the device of q ({q.device}), got {k.device}")
+
+
+def _empty_output(x: Tensor) -> Tensor:
+    """The output the kernels allocate: ``empty_like(x)``, row-major if that leaves the last dim strided."""
+    out = torch.empty_like(x)
+    if out.dim() > 0 and out.shape[-1] > 1 and out.stride(-1) != 1:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out
 
 
 @torch.library.register_fake("rope_ext::rotary")
 def _rotary_fake(x, positions, cos_sin, interleaved=False, inverse=False):
     _fake_checks(x, positions, cos_sin)
-    return torch.empty_like(x)
+    return _empty_output(x)
 
 
 @torch.library.register_fake("rope_ext::rotary_qk")
@@ -138,7 +151,7 @@ def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
     _fake_checks(q, positions, cos_sin, "q")
     _same_device(q, k)
     _fake_checks(k, positions, cos_sin, "k")
-    return torch.empty_like(q), torch.empty_like(k)
+    return _empty_output(q), _empty_output(k)
 
 
 @torch.library.register_fake("rope_ext::rotary_qk_")

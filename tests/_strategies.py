@@ -57,7 +57,7 @@ class View:
         """One past the largest element index the view reaches (``offset`` when empty)."""
         if 0 in self.shape:
             return self.offset
-        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + 1
+        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True)) + 1
 
     def of(self, buf: torch.Tensor) -> torch.Tensor:
         """The view as a tensor over the flat buffer ``buf``."""
@@ -120,6 +120,12 @@ class Case:
     out_k: View | None = None
     notes: dict = field(default_factory=dict)
 
+    def with_k(self, k: View) -> Case:
+        """This case with a k (in its own buffer)."""
+        from dataclasses import replace
+
+        return replace(self, k=k, shared_buffer=False)
+
     def __repr__(self) -> str:
         k = None if self.k is None else f"{self.k}"
         return (
@@ -160,12 +166,13 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
     token = [draw(st.booleans()) for _ in q_batch]
     if qk:
         k_batch = [
-            s if t or draw(st.booleans()) else draw(st.integers(0, 4)) for s, t in zip(q_batch, token)
+            s if t or draw(st.booleans()) else draw(st.integers(0, 4))
+            for s, t in zip(q_batch, token, strict=True)
         ]
         rows = math.prod(max(s, 1) for s in k_batch)
-        k_batch = [s if rows <= budget or t else min(s, 1) for s, t in zip(k_batch, token)]
+        k_batch = [s if rows <= budget or t else min(s, 1) for s, t in zip(k_batch, token, strict=True)]
     # Positions: size of q where they vary, else 1, leading size-1 dims possibly dropped.
-    pos_shape = [s if t else 1 for s, t in zip(q_batch, token)]
+    pos_shape = [s if t else 1 for s, t in zip(q_batch, token, strict=True)]
     lead_ones = next((i for i, t in enumerate(token) if t), len(token))
     pos_shape = pos_shape[draw(st.integers(0, lead_ones)) :]
     align = 8 if aligned else 1
@@ -176,7 +183,9 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
     if qk:
         shape_k = (*k_batch, head_dim)
         differ = [d for d in range(rank) if shape_q[d] != shape_k[d]]
-        mode = draw(st.sampled_from(["separate", "shared", "packed"] if len(differ) <= 1 else ["separate", "shared"]))
+        mode = draw(
+            st.sampled_from(["separate", "shared", "packed"] if len(differ) <= 1 else ["separate", "shared"])
+        )
         if mode == "packed":
             d = differ[0] if differ else draw(st.integers(0, rank - 1))
             gap = draw(st.integers(0, 1)) * (align if d == rank - 1 else 1)
@@ -186,7 +195,7 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
             if d == rank - 1 and pv.strides[d] != 1:
                 pv = View(pv.shape, tuple(1 if i == d else s for i, s in enumerate(pv.strides)), pv.offset)
             # Size-1 dims may have any stride; packed q and k must not meet through them.
-            if any(n == 1 and s == 0 for n, s in zip(packed_shape, pv.strides)):
+            if any(n == 1 and s == 0 for n, s in zip(packed_shape, pv.strides, strict=True)):
                 pv = View(pv.shape, tuple(s if s else 1 for s in pv.strides), pv.offset)
             q = View(shape_q, pv.strides, pv.offset)
             k = View(shape_k, pv.strides, pv.offset + (shape_q[d] + gap) * pv.strides[d])

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import _strategies  # noqa: F401  (registers the hypothesis profiles ci and long)
 import pytest
 import torch
 
 import rope_ext
 from rope_ext import reference
-
-# Registers the hypothesis profiles (ci, long) before --hypothesis-profile is read.
-import _strategies  # noqa: E402, F401, I001
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 HAS_CUDA = torch.cuda.is_available()

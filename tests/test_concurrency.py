@@ -54,7 +54,9 @@ def _work(tid: int, cache: RopeCache, full: torch.Tensor, barrier: threading.Bar
                 failures.append(f"thread {tid}: q result differs")
             if not torch.equal(bits(k_inplace), bits(want_k)):
                 failures.append(f"thread {tid}: in-place k result differs")
-            if not torch.equal(got_k, rope_ext.apply_rotary(k.float(), positions, full, interleaved=interleaved)):
+            if not torch.equal(
+                got_k, rope_ext.apply_rotary(k.float(), positions, full, interleaved=interleaved)
+            ):
                 failures.append(f"thread {tid}: k result differs")
     except BaseException as e:  # noqa: BLE001 - any exception is a failure of the test
         failures.append(f"thread {tid}: {type(e).__name__}: {e}")

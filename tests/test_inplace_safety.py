@@ -57,46 +57,121 @@ BAD_CALLS = [
     ("rotary-dim-gt-head-dim", _with(cos_sin=make_cos_sin(P, 2 * D)), ValueError, ["rotary_dim", "head_dim"]),
     ("float-positions", _with(positions=_positions().float()), TypeError, ["positions", "int"]),
     ("bool-positions", _with(positions=_positions().bool()), TypeError, ["positions", "int"]),
-    ("positions-not-broadcastable", _with(positions=torch.zeros(T + 1, 1, dtype=torch.long)), ValueError,
-     ["positions", "broadcastable"]),
-    ("positions-too-many-dims", _with(positions=torch.zeros(1, T, 1, dtype=torch.long)), ValueError,
-     ["positions", "broadcastable"]),
-    ("positions-not-broadcastable-to-k", _with(positions=torch.zeros(T, HQ, dtype=torch.long)), ValueError,
-     ["positions", "k"]),
-    ("negative-position", _with(positions=torch.tensor([[0], [1], [2], [3], [-1]])), IndexError,
-     ["positions", "-1"]),
-    ("position-past-cache", _with(positions=torch.tensor([[0], [1], [2], [3], [P]])), IndexError,
-     ["positions", str(P)]),
-    ("huge-position", _with(positions=torch.tensor([[0], [1], [2], [3], [2**62]])), IndexError, ["positions"]),
-    ("int32-position-past-cache", _with(positions=torch.tensor([[0], [1], [2], [3], [P]], dtype=torch.int32)),
-     IndexError, ["positions"]),
+    (
+        "positions-not-broadcastable",
+        _with(positions=torch.zeros(T + 1, 1, dtype=torch.long)),
+        ValueError,
+        ["positions", "broadcastable"],
+    ),
+    (
+        "positions-too-many-dims",
+        _with(positions=torch.zeros(1, T, 1, dtype=torch.long)),
+        ValueError,
+        ["positions", "broadcastable"],
+    ),
+    (
+        "positions-not-broadcastable-to-k",
+        _with(positions=torch.zeros(T, HQ, dtype=torch.long)),
+        ValueError,
+        ["positions", "k"],
+    ),
+    (
+        "negative-position",
+        _with(positions=torch.tensor([[0], [1], [2], [3], [-1]])),
+        IndexError,
+        ["positions", "-1"],
+    ),
+    (
+        "position-past-cache",
+        _with(positions=torch.tensor([[0], [1], [2], [3], [P]])),
+        IndexError,
+        ["positions", str(P)],
+    ),
+    (
+        "huge-position",
+        _with(positions=torch.tensor([[0], [1], [2], [3], [2**62]])),
+        IndexError,
+        ["positions"],
+    ),
+    (
+        "int32-position-past-cache",
+        _with(positions=torch.tensor([[0], [1], [2], [3], [P]], dtype=torch.int32)),
+        IndexError,
+        ["positions"],
+    ),
     ("integer-q", _with(q=lambda a: torch.zeros(T, HQ, D, dtype=torch.int32)), TypeError, ["q", "floating"]),
     ("integer-k", _with(k=lambda a: torch.zeros(T, HK, D, dtype=torch.int64)), TypeError, ["k", "floating"]),
-    ("k-other-dtype", _with(k=lambda a: torch.zeros(T, HK, D, dtype=torch.float64)), TypeError, ["k", "dtype"]),
+    (
+        "k-other-dtype",
+        _with(k=lambda a: torch.zeros(T, HK, D, dtype=torch.float64)),
+        TypeError,
+        ["k", "dtype"],
+    ),
     ("k-other-rank", _with(k=lambda a: torch.zeros(T, D)), ValueError, ["k", "rank"]),
     ("k-other-head-dim", _with(k=lambda a: torch.zeros(T, HK, D + 2)), ValueError, ["k", "head_dim"]),
     ("cos-sin-1d", _with(cos_sin=make_cos_sin(P, R)[0]), ValueError, ["cos_sin", "shape"]),
     ("cos-sin-3d", _with(cos_sin=make_cos_sin(P, R)[None]), ValueError, ["cos_sin", "shape"]),
-    ("cos-sin-float64", _with(cos_sin=make_cos_sin(P, R, dtype=torch.float64)), TypeError, ["cos_sin", "float32"]),
+    (
+        "cos-sin-float64",
+        _with(cos_sin=make_cos_sin(P, R, dtype=torch.float64)),
+        TypeError,
+        ["cos_sin", "float32"],
+    ),
     ("cos-sin-integer", _with(cos_sin=torch.zeros(P, R, dtype=torch.int32)), TypeError, ["cos_sin"]),
-    ("cos-sin-strided-last-dim", _with(cos_sin=make_cos_sin(P, 2 * R)[:, ::2]), ValueError, ["cos_sin", "contiguous"]),
+    (
+        "cos-sin-strided-last-dim",
+        _with(cos_sin=make_cos_sin(P, 2 * R)[:, ::2]),
+        ValueError,
+        ["cos_sin", "contiguous"],
+    ),
     ("positions-on-meta", _with(positions=_positions().to("meta")), ValueError, ["positions", "device"]),
     ("cos-sin-on-meta", _with(cos_sin=make_cos_sin(P, R).to("meta")), ValueError, ["cos_sin", "device"]),
     ("k-on-meta", _with(k=lambda a: a["k"].to("meta")), ValueError, ["k", "device"]),
     ("q-last-dim-strided", _with(q=lambda a: a["buf"][:, :HQ, ::2]), ValueError, ["q", "stride"]),
     ("k-last-dim-strided", _with(k=lambda a: a["buf"][:, HQ : HQ + HK, ::2]), ValueError, ["k", "stride"]),
     ("q-expanded", _with(q=lambda a: a["buf"][:, :1].expand(T, HQ, D)), ValueError, ["q", "overlap"]),
-    ("k-expanded", _with(k=lambda a: a["buf"][:, HQ : HQ + 1].expand(T, HK, D)), ValueError, ["k", "overlap"]),
-    ("q-stride-0-tokens", _with(q=lambda a: a["buf"][:1, :HQ].expand(T, HQ, D)), ValueError, ["q", "overlap"]),
-    ("q-overlapping-strides", _with(q=lambda a: a["buf"].as_strided((T, HQ, D), (D, D // 2, 1))), ValueError,
-     ["q", "overlap"]),
+    (
+        "k-expanded",
+        _with(k=lambda a: a["buf"][:, HQ : HQ + 1].expand(T, HK, D)),
+        ValueError,
+        ["k", "overlap"],
+    ),
+    (
+        "q-stride-0-tokens",
+        _with(q=lambda a: a["buf"][:1, :HQ].expand(T, HQ, D)),
+        ValueError,
+        ["q", "overlap"],
+    ),
+    (
+        "q-overlapping-strides",
+        _with(q=lambda a: a["buf"].as_strided((T, HQ, D), (D, D // 2, 1))),
+        ValueError,
+        ["q", "overlap"],
+    ),
     ("k-is-q", _with(k=lambda a: a["q"]), ValueError, ["q and k", "overlap"]),
-    ("k-overlaps-q", _with(k=lambda a: a["buf"][:, HQ - 1 : HQ - 1 + HK]), ValueError, ["q and k", "overlap"]),
-    ("k-overlaps-q-last-dim", _with(k=lambda a: a["buf"][:, HQ : HQ + HK].as_strided((T, HK, D), (
-        (HQ + 2 * HK) * D, D, 1), (HQ - 1) * D + D // 2)), ValueError, ["q and k", "overlap"]),
+    (
+        "k-overlaps-q",
+        _with(k=lambda a: a["buf"][:, HQ - 1 : HQ - 1 + HK]),
+        ValueError,
+        ["q and k", "overlap"],
+    ),
+    (
+        "k-overlaps-q-last-dim",
+        _with(
+            k=lambda a: a["buf"][:, HQ : HQ + HK].as_strided(
+                (T, HK, D), ((HQ + 2 * HK) * D, D, 1), (HQ - 1) * D + D // 2
+            )
+        ),
+        ValueError,
+        ["q and k", "overlap"],
+    ),
     ("k-reshaped-alias-of-q", _with(k=lambda a: a["buf"][:, :2].reshape(T, 2, D)), ValueError, ["overlap"]),
-    ("k-other-storage-view-alias", _with(k=lambda a: a["buf"].view(-1)[D:].as_strided((T, HK, D), (
-        (HQ + 2 * HK) * D, D, 1))), ValueError, ["overlap"]),
+    (
+        "k-other-storage-view-alias",
+        _with(k=lambda a: a["buf"].view(-1)[D:].as_strided((T, HK, D), ((HQ + 2 * HK) * D, D, 1))),
+        ValueError,
+        ["overlap"],
+    ),
 ]
 
 
@@ -120,7 +195,9 @@ def _assert_unchanged(a, snap):
 
 
 @pytest.mark.parametrize("case_id, make, exc, words", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
-@pytest.mark.parametrize("op", ["apply_rotary_qk_", "apply_rotary_qk_-no-k", "emulated-inplace", "out-of-place"])
+@pytest.mark.parametrize(
+    "op", ["apply_rotary_qk_", "apply_rotary_qk_-no-k", "emulated-inplace", "out-of-place"]
+)
 def test_rejected_call_changes_nothing(case_id, make, exc, words, op):
     """The call raises the documented exception naming the argument, and q, k (their whole buffer),
     positions and cos_sin keep their bits."""
@@ -140,7 +217,9 @@ def test_rejected_call_changes_nothing(case_id, make, exc, words, op):
         if op.startswith("apply_rotary_qk_"):
             rope_ext.apply_rotary_qk_(a["q"], a["k"], a["positions"], a["cos_sin"])
         elif op == "emulated-inplace":
-            ops._cuda_emulated(a["q"], a["k"], a["q"], a["k"], a["positions"], a["cos_sin"], False, False, 4, False)
+            ops._cuda_emulated(
+                a["q"], a["k"], a["q"], a["k"], a["positions"], a["cos_sin"], False, False, 4, False
+            )
         else:
             rope_ext.apply_rotary_qk(a["q"], a["k"], a["positions"], a["cos_sin"])
     msg = str(info.value)
@@ -206,12 +285,24 @@ def test_view_of_larger_buffer_leaves_the_rest_untouched(dtype, interleaved):
 PACKED = {
     # name: (packed shape, q slice, k slice, positions)
     "THD-heads": ((6, 8, 16), (slice(None), slice(0, 4)), (slice(None), slice(4, 6)), (6, 1)),
-    "BSHD-heads": ((2, 3, 8, 16), (slice(None), slice(None), slice(0, 4)), (slice(None), slice(None), slice(4, 6)),
-                   (3, 1)),
-    "SBHD-heads": ((3, 2, 8, 16), (slice(None), slice(None), slice(0, 4)), (slice(None), slice(None), slice(4, 6)),
-                   (3, 1, 1)),
-    "THD-features": ((6, 4, 48), (slice(None), slice(None), slice(0, 16)), (slice(None), slice(None), slice(16, 32)),
-                     (6, 1)),
+    "BSHD-heads": (
+        (2, 3, 8, 16),
+        (slice(None), slice(None), slice(0, 4)),
+        (slice(None), slice(None), slice(4, 6)),
+        (3, 1),
+    ),
+    "SBHD-heads": (
+        (3, 2, 8, 16),
+        (slice(None), slice(None), slice(0, 4)),
+        (slice(None), slice(None), slice(4, 6)),
+        (3, 1, 1),
+    ),
+    "THD-features": (
+        (6, 4, 48),
+        (slice(None), slice(None), slice(0, 16)),
+        (slice(None), slice(None), slice(16, 32)),
+        (6, 1),
+    ),
     "BHSD-heads": ((2, 8, 3, 16), (slice(None), slice(0, 4)), (slice(None), slice(4, 6)), (2, 1, 3)),
 }
 
@@ -273,7 +364,10 @@ def test_interleaved_strides_without_overlap_are_accepted():
 
 def _elements(shape, strides, offset):
     """Buffer indices of every element of an as_strided view."""
-    return [offset + sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, shape))]
+    return [
+        offset + sum(i * s for i, s in zip(idx, strides, strict=True))
+        for idx in itertools.product(*map(range, shape))
+    ]
 
 
 @st.composite

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _strategies import Case, build, cases, property_settings, view_mask
+from _strategies import Case, View, build, cases, property_settings, view_mask
 from _strategies import bits as raw_bits
 from conftest import assert_close_to_reference
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import rope_ext
@@ -22,14 +22,31 @@ from rope_ext import reference
 ops = torch.ops.rope_ext
 
 
+def test_output_of_expanded_input_has_contiguous_last_dim():
+    """The regression EXPANDED_X directly: outputs keep a stride-1 last dim, eager and under FakeTensor."""
+    x = torch.randn(6).as_strided((1, 1, 2, 3), (6, 1, 0, 1))
+    positions = torch.zeros(1, 1, 1, dtype=torch.int32)
+    cs = rope_ext.RopeCache(2, max_positions=1).cos_sin
+    out = rope_ext.apply_rotary(x, positions, cs)
+    q, k = rope_ext.apply_rotary_qk(x, x, positions, cs)
+    assert out.stride(-1) == q.stride(-1) == k.stride(-1) == 1
+    ref = reference.rotary_hadamard(x, positions, cs)
+    for t in (out, q, k):
+        assert_close_to_reference(t, ref, x.abs().max().item())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        fake = ops.rotary.default(fx, mode.from_tensor(positions), mode.from_tensor(cs), False, False)
+    assert fake.stride() == out.stride()
+
+
 def expect_rotated(out: torch.Tensor, x: torch.Tensor, case: Case, positions, cos_sin) -> None:
     """``out`` is ``x`` rotated as ``case`` says: reference agreement, pass-through bit-exact."""
     assert out.shape == x.shape and out.dtype == x.dtype
     if out.numel() == 0:
         return
-    ref = reference.rotary_hadamard(
-        x, positions, cos_sin, interleaved=case.interleaved, inverse=case.inverse
-    )
+    ref = reference.rotary_hadamard(x, positions, cos_sin, interleaved=case.interleaved, inverse=case.inverse)
     r = case.rotary_dim
     assert torch.equal(raw_bits(out[..., r:]), raw_bits(x[..., r:])), "pass-through features changed"
     assert_close_to_reference(out[..., :r], ref[..., :r], x.abs().max().item())
@@ -75,8 +92,31 @@ def run_checked(case: Case, call, *, inplace: bool, outs=None) -> None:
 # The public ops (CPU kernels).
 
 
+# Found by the test below: an expanded input with a size-1 dim of stride 1 (sizes [1, 1, 2, 3], strides
+# [6, 1, 0, 1]) got an output whose last dim had stride 2 (empty_like), which the kernels wrote as if
+# contiguous.
+EXPANDED_X = Case(
+    dtype=torch.float32,
+    head_dim=3,
+    rotary_dim=2,
+    q=View(shape=(1, 1, 2, 3), strides=(6, 1, 0, 1), offset=0),
+    k=None,
+    shared_buffer=False,
+    pos=View(shape=(1, 1, 1), strides=(1, 1, 1), offset=0),
+    pos_dtype=torch.int32,
+    n_cache=1,
+    cs_dtype=torch.float32,
+    cs_pad=(0, 0),
+    interleaved=False,
+    inverse=False,
+    scale=1.0,
+    seed=0,
+)
+
+
 @property_settings()
 @given(case=cases(qk=False, inplace=False))
+@example(case=EXPANDED_X)
 def test_apply_rotary_matches_reference(case):
     """apply_rotary: out of place, forward and inverse, read-only input (may be expanded)."""
     run_checked(
@@ -99,6 +139,7 @@ def _qk(case: Case):
 
 @property_settings()
 @given(case=cases(qk=True, inplace=False))
+@example(case=EXPANDED_X.with_k(View(shape=(1, 1, 2, 3), strides=(3, 1, 0, 1), offset=0)))
 def test_apply_rotary_qk_matches_reference(case):
     """apply_rotary_qk: q and k with other head counts, separate / shared / packed buffers."""
     run_checked(case, _qk(case), inplace=False)
@@ -139,7 +180,16 @@ def _emulated(case: Case, num_sms: int, force_scalar: bool, inplace: bool, launc
             launch.append((q_out, k_out))
         launch.append(
             ops._cuda_emulated(
-                b.q, b.k, q_out, k_out, b.positions, b.cos_sin, case.interleaved, case.inverse, num_sms, force_scalar
+                b.q,
+                b.k,
+                q_out,
+                k_out,
+                b.positions,
+                b.cos_sin,
+                case.interleaved,
+                case.inverse,
+                num_sms,
+                force_scalar,
             )
         )
         return None if inplace else (q_out, k_out)
@@ -184,9 +234,33 @@ def test_cuda_body_matches_reference(drawn, num_sms, force_scalar):
         assert launch[-1][4] == 0
 
 
+# Found by the test below: out of place, an empty q made the CUDA body skip k's pass-through copy
+# (empty tensors have null data pointers, so q's in == out read as "in place").
+EMPTY_Q = Case(
+    dtype=torch.float32,
+    head_dim=32,
+    rotary_dim=16,
+    q=View(shape=(2, 0, 32), strides=(64, 32, 1), offset=0),
+    k=View(shape=(2, 2, 32), strides=(64, 32, 1), offset=0),
+    shared_buffer=True,
+    pos=View(shape=(2, 1), strides=(0, 1), offset=0),
+    pos_dtype=torch.int32,
+    n_cache=1,
+    cs_dtype=torch.float32,
+    cs_pad=(0, 0),
+    interleaved=False,
+    inverse=False,
+    scale=1.0,
+    seed=0,
+    out=View(shape=(2, 0, 32), strides=(32, 32, 1), offset=0),
+    out_k=View(shape=(2, 2, 32), strides=(64, 32, 1), offset=0),
+)
+
+
 @pytest.mark.parametrize("force_scalar", [False, True], ids=["vector", "scalar"])
 @property_settings(250)
 @given(drawn=_emulation_case(aligned=True), num_sms=NUM_SMS)
+@example(drawn=(False, EMPTY_Q), num_sms=1)
 def test_cuda_body_aligned_matches_reference(drawn, num_sms, force_scalar):
     """Emulated CUDA kernel on layouts whose every access is 16-byte aligned: the vector path runs."""
     inplace, case = drawn

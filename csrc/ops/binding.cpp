@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 namespace rope_ext {
@@ -320,6 +321,13 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   p.inverse = inverse;
   p.x_dtype = to_dtype(q_in.scalar_type());
   p.cs_dtype = to_dtype(cos_sin.scalar_type());
+  if (k_in && q_in.numel() == 0) {
+    // An empty tensor has null data pointers (in == out), which the CUDA kernel
+    // would read as "in place" and skip copying k's pass-through features:
+    // rotate k alone.
+    std::swap(p.t[0], p.t[1]);
+    p.n_tensors = 1;
+  }
   return p;
 }
 
@@ -346,10 +354,22 @@ void run(const rope::RopeParams& p, const at::Tensor& q, const Backend& backend)
 }
 }  // namespace
 
+namespace {
+// Output for x: x's layout (empty_like), unless that leaves the last dim
+// strided, as it does for some expanded inputs (sizes [1, 2, 3], strides
+// [1, 0, 1] give [1, 1, 2]); then row-major.
+at::Tensor empty_output(const at::Tensor& x) {
+  at::Tensor out = at::empty_like(x);
+  if (out.dim() > 0 && out.size(-1) > 1 && out.stride(-1) != 1)
+    out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  return out;
+}
+}  // namespace
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
                   bool interleaved, bool inverse, const Backend& backend) {
   check_input(x, "x");
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = empty_output(x);
   const auto p = make_params(x, out, nullptr, nullptr, positions, cos_sin, interleaved, inverse);
   run(p, x, backend);
   return out;
@@ -361,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tens
                                              const Backend& backend) {
   check_input(q, "q");
   check_input(k, "k");
-  at::Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);
+  at::Tensor q_out = empty_output(q), k_out = empty_output(k);
   const auto p = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse);
   run(p, q, backend);
   return {q_out, k_out};
