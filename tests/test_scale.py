@@ -1,6 +1,6 @@
 """Index arithmetic beyond 2^31 elements: a bf16 tensor of 2^31 + 1024 elements (4 GiB) rotated in place.
 
-Marked slow: about half a minute on a 2-core machine (see the README's "Reliability" section); it
+Marked slow: about 3 s on a 2-core machine (CI runs it; see the README's "Reliability" section); it
 needs about 5 GiB of free memory and skips itself when there is less. Run it with
 ``pytest -m slow tests/test_scale.py``.
 """
