@@ -113,3 +113,42 @@ def test_ops_on_shared_inputs_from_threads():
     assert not any(t.is_alive() for t in threads), "a thread hangs"
     assert not failures, "\n".join(failures[:10])
     assert torch.equal(packed, want)
+
+
+def test_dynamic_scaling_cache_rebuilt_while_threads_rotate():
+    """A ``dynamic`` (NTK) cache rebuilds every row as the length grows: each table a thread gets is whole
+    (cos^2 + sin^2 = 1, at least the rows asked for) and rotating with it matches a single-threaded call."""
+    scaling = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 64}
+    cache = RopeCache(ROTARY_DIM, max_positions=64, scaling=scaling)
+    barrier = threading.Barrier(N_THREADS)
+    failures: list = []
+    tables: list = []
+    h = ROTARY_DIM // 2
+
+    def work(tid: int) -> None:
+        gen = torch.Generator().manual_seed(tid)
+        try:
+            barrier.wait()
+            for it in range(40):
+                n = 64 + 50 * it * (tid + 1)
+                cs = cache.ensure(n).cos_sin_on("cpu")
+                if cs.shape[0] < n:
+                    failures.append(f"thread {tid}: {cs.shape[0]} rows after ensure({n})")
+                if (cs[:, :h].double() ** 2 + cs[:, h:].double() ** 2 - 1).abs().max() > 1e-6:
+                    failures.append(f"thread {tid}: a table with cos^2 + sin^2 != 1")
+                positions = torch.randint(0, n, (8, 1), generator=gen)
+                x = torch.randn(8, 2, HEAD_DIM, generator=gen)
+                tables.append((x, positions, cs, rope_ext.apply_rotary(x, positions, cs)))
+        except BaseException as e:  # noqa: BLE001
+            failures.append(f"thread {tid}: {type(e).__name__}: {e}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hangs"
+    assert not failures, "\n".join(failures[:10])
+    for x, positions, cs, got in tables:
+        assert torch.equal(got, rope_ext.apply_rotary(x, positions, cs))
