@@ -26,9 +26,11 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float
 
     * float32 / float64: |out - ref| <= 1e-6 * max|x| (fp32 arithmetic on values of size max|x|
       accumulates a few ulps of 2^-24 ~ 6e-8, well inside 1e-6);
-    * float16 / bfloat16: |out - ref| <= one ulp of the output dtype at the reference value (the
-      fp32 result is within ~1e-7 relative of the reference, so rounding to nearest gives <= 1/2 ulp,
-      plus a margin for results next to a binade boundary).
+    * float16 / bfloat16: |out - ref| <= one ulp of the output dtype at the reference value, plus
+      2^-22 * max|x|. The fp32 result is within a few 2^-24 * max|x| of the exact value, so rounding it
+      gives <= 1/2 ulp plus that; the extra term matters only when ``x1 c - x2 s`` nearly cancels (a
+      result far smaller than x, where no fp32 computation can promise 1 ulp of the tiny value; see
+      CANCELLATION_* in test_property.py), elsewhere it is below 2^-12 ulp.
     """
     assert out.shape == ref.shape
     err = (out.double() - ref).abs()
@@ -36,11 +38,11 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float
         tol = 1e-6 * max(x_max, 1e-30)
         assert err.max().item() <= tol, f"max error {err.max().item():.3g} > {tol:.3g}"
     else:
-        tol = ulp(ref, out.dtype)
+        tol = ulp(ref, out.dtype) + 2.0**-22 * x_max
         bad = err > tol
         assert not bad.any(), (
-            f"{int(bad.sum())} elements off by more than 1 ulp; worst {err.max().item():.3g} "
-            f"at ref {ref.flatten()[err.flatten().argmax()].item():.6g}"
+            f"{int(bad.sum())} elements off by more than 1 ulp + 2^-22 max|x|; worst {err.max().item():.3g} "
+            f"at ref {ref.flatten()[(err - tol).flatten().argmax()].item():.6g}"
         )
 
 
