@@ -23,8 +23,7 @@ std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::
                     "k_out must match k in shape and dtype");
   const auto p = make_params(q, q_out, kp, kop, positions, cos_sin, interleaved, inverse);
   check_writable(q_out, kop);
-  const auto l = rope::gpu::plan_launch(p, int(q.element_size()), int(cos_sin.element_size()),
-                                        num_sms, force_scalar);
+  const auto l = rope::gpu::plan_launch(p, num_sms, force_scalar);
   if (p.n_tokens > 0 && p.t[0].n_heads + (kp ? p.t[1].n_heads : 0) > 0 &&
       l.n_rot_units + l.n_pass_units > 0) {
     rope::gpu::dispatch_cuda(

@@ -21,14 +21,10 @@ void check_positions_cpu(const rope::RopeParams& p) {
 // thread; a prefill splits into one contiguous block of tokens per thread.
 constexpr int64_t kMinBytesPerChunk = int64_t(256) << 10;
 
-int64_t element_size(rope::DType t) {
-  return t == rope::DType::kFloat64 ? 8 : t == rope::DType::kFloat32 ? 4 : 2;
-}
-
 void launch_cpu(const rope::RopeParams& p, const at::Tensor&) {
   int64_t per_token = 0;  // bytes read + written per token
   for (int t = 0; t < p.n_tensors; ++t) per_token += 2 * p.t[t].n_heads * p.head_dim;
-  per_token *= element_size(p.x_dtype);
+  per_token *= rope::dtype_size(p.x_dtype);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerChunk / std::max<int64_t>(1, per_token));
   at::parallel_for(0, p.n_tokens, grain,
                    [&](int64_t begin, int64_t end) { rope::cpu::rotate_tokens(p, begin, end); });

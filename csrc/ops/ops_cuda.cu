@@ -37,11 +37,7 @@ int64_t sm_count(int device) {
 
 void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t cs_size = p.cs_dtype == rope::DType::kFloat32   ? 4
-                          : p.cs_dtype == rope::DType::kFloat64 ? 8
-                                                                : 2;
-  const auto l = rope::gpu::plan_launch(p, int(q.element_size()), int(cs_size),
-                                        sm_count(q.get_device()), false);
+  const auto l = rope::gpu::plan_launch(p, sm_count(q.get_device()), false);
   if (l.n_rot_units + l.n_pass_units == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {

@@ -192,9 +192,10 @@ struct Launch {
   bool vectorized;
 };
 
-// Whether every access of the vector path is aligned for x elements of
-// `x_size` bytes and cache elements of `cs_size` bytes.
-inline bool can_vectorize(const RopeParams& p, int x_size, int cs_size) {
+// Whether every access of the vector path is aligned (for the element sizes
+// of x and of the cache).
+inline bool can_vectorize(const RopeParams& p) {
+  const int x_size = dtype_size(p.x_dtype), cs_size = dtype_size(p.cs_dtype);
   const int64_t V = 16 / x_size;
   const int64_t r = p.rotary_dim, h = r / 2, D = p.head_dim;
   if (p.interleaved ? r % V != 0 : h % V != 0) return false;
@@ -202,6 +203,7 @@ inline bool can_vectorize(const RopeParams& p, int x_size, int cs_size) {
   if (copy_pass && (r % V != 0 || (D - r) % V != 0)) return false;
   for (int t = 0; t < p.n_tensors; ++t) {
     const RotTensor& rt = p.t[t];
+    if (rt.n_heads == 0 || p.n_tokens == 0) continue;  // never accessed
     if (reinterpret_cast<uintptr_t>(rt.in) % 16 || reinterpret_cast<uintptr_t>(rt.out) % 16)
       return false;
     for (int d = 0; d < p.n_tok_dims; ++d)
@@ -215,11 +217,10 @@ inline bool can_vectorize(const RopeParams& p, int x_size, int cs_size) {
          (p.cs_row_stride * cs_size) % chunk == 0 && (h * cs_size) % chunk == 0;
 }
 
-inline Launch plan_launch(const RopeParams& p, int x_size, int cs_size, int64_t num_sms,
-                          bool force_scalar) {
+inline Launch plan_launch(const RopeParams& p, int64_t num_sms, bool force_scalar) {
   Launch l{};
-  l.vectorized = !force_scalar && can_vectorize(p, x_size, cs_size);
-  const int64_t v = l.vectorized ? 16 / x_size : 1;
+  l.vectorized = !force_scalar && can_vectorize(p);
+  const int64_t v = l.vectorized ? 16 / dtype_size(p.x_dtype) : 1;
   const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
   const bool copy_pass = p.t[0].in != p.t[0].out;
   l.n_rot_units = (p.rotary_dim / 2) / ppu;

@@ -191,6 +191,9 @@ struct RopeParams {
   bool pos_int64;  // positions are int64 (else int32)
 };
 
+// Bytes per element of a DType.
+ROPE_HD int dtype_size(DType t) { return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2; }
+
 // Offsets of one token in positions, and in the input and output of each tensor.
 struct TokenOffsets {
   int64_t pos;
