@@ -1,26 +1,31 @@
 # rope_ext: `make test` and `make bench` install what is missing (a virtual
 # environment with torch, the test/bench extras, the extension built in place).
+# Versions come from constraints.txt, the one place they are pinned.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
 # torch guesses CUDA_HOME from the nvcc on PATH, which may be a wrapper script.
 ifeq ($(CUDA_HOME),)
 ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
 export CUDA_HOME := /usr/local/cuda
 endif
 endif
+# The in-place build is the test build: it adds the test-only ops (ROPE_EXT_TESTING, see setup.py).
+export ROPE_EXT_TESTING := 1
 SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 EXT_STAMP := build/.ext-stamp
+CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
+PY_DIRS := rope_ext tests benchmarks setup.py
 
 .PHONY: install build test bench lint format clean
 
 install: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch ninja setuptools wheel
-	$(PY) -m pip install -q "pytest>=8" "hypothesis>=6" "transformers>=4.45" expecttest mpmath numpy \
-		matplotlib tqdm rich ruff clang-format
+	$(PIP) torch ninja setuptools wheel
+	$(PIP) pytest hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format
 	touch $@
 
 build: $(EXT_STAMP)
@@ -35,13 +40,14 @@ bench: build
 	$(PY) -m rope_ext.bench --quick $(BENCH_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check rope_ext tests benchmarks
-	$(VENV)/bin/ruff format --check rope_ext tests benchmarks
-	$(VENV)/bin/clang-format --dry-run --Werror csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_FILES)
 
 format: install
-	$(VENV)/bin/ruff format rope_ext tests benchmarks
-	$(VENV)/bin/clang-format -i csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh
+	$(VENV)/bin/ruff check --fix $(PY_DIRS)
+	$(VENV)/bin/ruff format $(PY_DIRS)
+	$(VENV)/bin/clang-format -i $(CXX_FILES)
 
 clean:
 	rm -rf build rope_ext/_C*.so *.egg-info

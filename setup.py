@@ -2,6 +2,8 @@
 
 Environment:
   ROPE_EXT_CPU_ONLY=1       build without the CUDA kernels even when nvcc is found
+  ROPE_EXT_TESTING=1        add the test-only ops (_cuda_emulated: the CUDA kernel body run on the CPU);
+                            `make test` and CI build this way, a wheel built the ordinary way does not
   TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else "8.0;9.0+PTX"
   CUDA_HOME                 CUDA toolkit; default /usr/local/cuda when it exists
 """
@@ -31,18 +33,27 @@ def want_cuda() -> bool:
 def extension():
     # -fopenmp: at::parallel_for is inline OpenMP code from the ATen headers; without the flag it
     # compiles to a serial loop. libgomp.so.1 resolves to the one torch has already loaded.
-    cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-fopenmp"]
+    # -ffp-contract=off: the host compiler never fuses a * b + c on its own (the AVX2 kernel's FMAs
+    # are explicit intrinsics), so results do not depend on compiler defaults. On the GPU,
+    # --fmad=true is the documented choice of the CUDA kernel.
+    cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
     link = ["-fopenmp"]
-    sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/rope/*.cpp"))
+    testing = os.environ.get("ROPE_EXT_TESTING") == "1"
+    sources = [
+        f
+        for f in sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/rope/*.cpp"))
+        if testing or os.path.basename(f) != "cuda_emulated.cpp"
+    ]
+    macros = [("ROPE_EXT_PYTHON_MODULE", None)] + ([("ROPE_EXT_TESTING", "1")] if testing else [])
     if want_cuda():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
-        nvcc = ["-O3", "-std=c++20", "--fmad=true", "-lineinfo"]
+        nvcc = ["-O3", "-std=c++20", "--fmad=true", "-lineinfo", "-Xcompiler", "-ffp-contract=off"]
         return cpp_extension.CUDAExtension(
             "rope_ext._C",
-            sources + sorted(glob.glob("csrc/ops/*.cu")),
+            sources + sorted(glob.glob("csrc/rope/*.cu")) + sorted(glob.glob("csrc/ops/*.cu")),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            define_macros=[("ROPE_EXT_PYTHON_MODULE", None), ("ROPE_EXT_WITH_CUDA", "1")],
+            define_macros=macros + [("ROPE_EXT_WITH_CUDA", "1")],
             extra_link_args=link,
             py_limited_api=False,
         )
@@ -50,7 +61,7 @@ def extension():
         "rope_ext._C",
         sources,
         extra_compile_args={"cxx": cxx},
-        define_macros=[("ROPE_EXT_PYTHON_MODULE", None)],
+        define_macros=macros,
         extra_link_args=link,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,6 +43,20 @@ def cos_sin_rows(positions: Tensor, inv_freq: Tensor, attention_factor: float = 
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
     return torch.cat([cos, sin], dim=-1)
+
+
+class _Table(NamedTuple):
+    """One published state of a cache: replaced whole (one assignment), never mutated.
+
+    A reader takes ``cache._table`` once and sees a table, its frequencies, the length they were built
+    for and their version together, whatever other threads publish meanwhile.
+    """
+
+    cos_sin: Tensor
+    inv_freq: Tensor
+    attention_factor: float
+    seq_len: int
+    version: int
 
 
 def _as_device(device: torch.device | str | int | None) -> torch.device:
@@ -119,11 +133,9 @@ class RopeCache:
         self.dtype = dtype
         self.scaling: dict[str, Any] = normalize_scaling(scaling, rotary_dim)
         self._lock = threading.Lock()
-        self._seq_len = int(max_positions)
-        self._inv_freq, self._attention_factor = self._params(self._seq_len)
-        self._version = 0
+        inv, attn = self._params(int(max_positions))
+        self._table = _Table(self._rows(0, max_positions, inv, attn), inv, attn, int(max_positions), 0)
         self._copies: dict[torch.device, tuple[int, Tensor]] = {}
-        self._cos_sin = self._rows(0, max_positions)
 
     # -- construction from a transformers config -------------------------------------------------
 
@@ -156,34 +168,44 @@ class RopeCache:
     @property
     def inv_freq(self) -> Tensor:
         """float64 CPU ``[rotary_dim / 2]`` for the current ``seq_len``."""
-        return self._inv_freq.clone()
+        return self._table.inv_freq.clone()
 
     @property
     def attention_factor(self) -> float:
         """Factor multiplying both cos and sin (1.0 except yarn / longrope)."""
-        return self._attention_factor
+        return self._table.attention_factor
 
     @property
     def seq_len(self) -> int:
         """Largest length requested so far (what ``dynamic`` / ``longrope`` are keyed on)."""
-        return self._seq_len
+        return self._table.seq_len
 
     @property
     def capacity(self) -> int:
-        return self._cos_sin.shape[0]
+        return self._table.cos_sin.shape[0]
 
     @property
     def cos_sin(self) -> Tensor:
         """``[capacity, rotary_dim]`` of ``dtype`` on ``device``."""
-        return self._cos_sin
+        return self._table.cos_sin
 
-    def _rows(self, start: int, stop: int) -> Tensor:
+    @property
+    def _version(self) -> int:
+        """Bumped whenever the table grows or is rebuilt."""
+        return self._table.version
+
+    def _rows(
+        self, start: int, stop: int, inv_freq: Tensor | None = None, attention_factor: float | None = None
+    ) -> Tensor:
+        """Rows ``start .. stop-1`` for ``inv_freq`` / ``attention_factor`` (default: the current ones)."""
+        if inv_freq is None or attention_factor is None:
+            inv_freq, attention_factor = self._table.inv_freq, self._table.attention_factor
         out = torch.empty(stop - start, self.rotary_dim, device=self.device, dtype=self.dtype)
-        inv = self._inv_freq.to(self.device)
+        inv = inv_freq.to(self.device)
         for lo in range(start, stop, _CHUNK_ROWS):
             hi = min(stop, lo + _CHUNK_ROWS)
             p = torch.arange(lo, hi, dtype=torch.float64, device=self.device)
-            out[lo - start : hi - start] = cos_sin_rows(p, inv, self._attention_factor)
+            out[lo - start : hi - start] = cos_sin_rows(p, inv, attention_factor)
         return out
 
     # -- length / growth ---------------------------------------------------------------------------
@@ -194,19 +216,20 @@ class RopeCache:
         Cheap when ``n <= seq_len`` and ``n <= capacity``. Grows the table to ``max(n, 2 * capacity)``
         when needed; rebuilds every row when a length-dependent variant changes its frequencies.
         """
-        if n <= self._seq_len and n <= self._cos_sin.shape[0]:
+        t = self._table
+        if n <= t.seq_len and n <= t.cos_sin.shape[0]:
             return self
         with self._lock:
-            self._update(max(int(n), self._seq_len), int(n))
+            self._update(max(int(n), self._table.seq_len), int(n))
         return self
 
     def reserve(self, n: int) -> RopeCache:
         """Make positions ``0 .. n-1`` available without counting ``n`` as a requested length (``seq_len``
         and so the frequencies of ``dynamic`` / ``longrope`` stay as they are)."""
-        if n <= self._cos_sin.shape[0]:
+        if n <= self._table.cos_sin.shape[0]:
             return self
         with self._lock:
-            self._update(self._seq_len, int(n))
+            self._update(self._table.seq_len, int(n))
         return self
 
     def set_seq_len(self, n: int) -> RopeCache:
@@ -218,36 +241,38 @@ class RopeCache:
         return self
 
     def _update(self, seq_len: int, needed: int) -> None:
-        cap = self._cos_sin.shape[0]
+        """Builds the next state and publishes it with one assignment (called under the lock)."""
+        t = self._table
+        cap = t.cos_sin.shape[0]
         new_cap = cap if needed <= cap else max(needed, 2 * cap)
-        if seq_len != self._seq_len and self.rope_type in LENGTH_DEPENDENT:
+        if seq_len != t.seq_len and self.rope_type in LENGTH_DEPENDENT:
             inv, attn = self._params(seq_len)
-            self._seq_len = seq_len
-            if not torch.equal(inv, self._inv_freq) or attn != self._attention_factor:
-                self._inv_freq, self._attention_factor = inv, attn
-                self._cos_sin = self._rows(0, new_cap)
-                self._version += 1
+            if not torch.equal(inv, t.inv_freq) or attn != t.attention_factor:
+                self._table = _Table(self._rows(0, new_cap, inv, attn), inv, attn, seq_len, t.version + 1)
                 return
-        self._seq_len = seq_len
         if new_cap > cap:
-            self._cos_sin = torch.cat([self._cos_sin, self._rows(cap, new_cap)], dim=0)
-            self._version += 1
+            rows = self._rows(cap, new_cap, t.inv_freq, t.attention_factor)
+            t = t._replace(cos_sin=torch.cat([t.cos_sin, rows], dim=0), version=t.version + 1)
+        self._table = t._replace(seq_len=seq_len)
 
     def cos_sin_on(self, device: torch.device | str | int | None = None) -> Tensor:
         """The table on ``device`` (default: the cache's device): one copy per device, made once.
 
-        The copy is refreshed only after the table grew or was rebuilt.
+        The copy is refreshed only after the table grew or was rebuilt. It always has at least the
+        rows the cache had when the call began (the table and its version are read together).
         """
         d = _as_device(device) if device is not None else self.device
+        t = self._table
         if d == self.device:
-            return self._cos_sin
+            return t.cos_sin
         hit = self._copies.get(d)
-        if hit is not None and hit[0] == self._version:
+        if hit is not None and hit[0] == t.version:
             return hit[1]
         with self._lock:
+            t = self._table
             hit = self._copies.get(d)
-            if hit is None or hit[0] != self._version:
-                hit = (self._version, self._cos_sin.to(d))
+            if hit is None or hit[0] != t.version:
+                hit = (t.version, t.cos_sin.to(d))
                 self._copies[d] = hit
             return hit[1]
 

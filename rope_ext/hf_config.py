@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .scaling import KNOWN_ROPE_TYPES
+from .scaling import resolve_rope_type
 
 __all__ = ["parse_hf_config"]
 
@@ -95,10 +95,7 @@ def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int,
             f"rotary dim (head_dim * partial_rotary_factor) must be even and > 0, got {rotary_dim}"
         )
 
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    rope_type = {"su": "longrope"}.get(rope_type, rope_type)
-    if rope_type not in KNOWN_ROPE_TYPES:
-        raise ValueError(f"unknown RoPE scaling 'rope_type' {rope_type!r}; known: {list(KNOWN_ROPE_TYPES)}")
+    rope_type = resolve_rope_type(params)  # "su" alias and unknown names: scaling.py
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
     scaling["rope_type"] = rope_type
 

@@ -1,4 +1,8 @@
-"""``RotaryEmbedding``: the nn.Module a model author drops into an attention block."""
+"""``RotaryEmbedding``: the nn.Module a model author drops into an attention block.
+
+Its cos/sin table comes from a :class:`~rope_ext.RopeCache` and follows the module's device through
+:class:`rope_ext._tables.DeviceTables` (the same bookkeeping as the adapters in :mod:`rope_ext.compat`).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._tables import DeviceTables
 from .cache import RopeCache
 from .ops import apply_rotary_qk, apply_rotary_qk_
 
 __all__ = ["RotaryEmbedding"]
-
-
-def _target_device(fn, current: torch.device) -> torch.device:
-    """The device ``module._apply(fn)`` moves tensors to (probed on an empty tensor)."""
-    try:
-        return fn(torch.empty(0, device=current)).device
-    except Exception:  # fn that does not accept an arbitrary tensor: keep the device
-        return current
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,8 +65,12 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.interleaved = bool(interleaved)
         self.cache = RopeCache(rotary_dim, base, max_positions=max_positions, scaling=scaling)
-        self._device = self.cache.device
-        self._table = self.cache.cos_sin
+        self._device_tables = DeviceTables(self.cache)
+
+    @property
+    def _table(self) -> Tensor:
+        """The table as last fetched, on the module's device (what a compiled forward reads)."""
+        return self._device_tables.table
 
     @classmethod
     def from_hf_config(
@@ -100,19 +101,18 @@ class RotaryEmbedding(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        self._device = _target_device(fn, self._device)
-        self._table = self.cache.cos_sin_on(self._device)
+        self._device_tables.follow(fn)
         return self
 
     def ensure(self, n: int) -> RotaryEmbedding:
         """Make positions ``0 .. n-1`` available (see :meth:`RopeCache.ensure`)."""
         self.cache.ensure(n)
-        self._table = self.cache.cos_sin_on(self._device)
+        self._device_tables.refresh()
         return self
 
     def cos_sin(self, device: torch.device | None = None) -> Tensor:
         """The float32 ``[capacity, rotary_dim]`` table (cos half, sin half) on ``device``."""
-        return self.cache.cos_sin_on(device if device is not None else self._device)
+        return self.cache.cos_sin_on(device if device is not None else self._device_tables.device)
 
     def forward(
         self, q: Tensor, k: Tensor, positions: Tensor | None = None, *, offset: int = 0, inplace: bool = False
@@ -130,17 +130,15 @@ class RotaryEmbedding(nn.Module):
             seq = q.shape[-3]
             if not torch.compiler.is_compiling():
                 self.cache.ensure(offset + seq)  # a no-op unless the length is new
-                self._device = q.device
-                self._table = self.cache.cos_sin_on(q.device)  # current table (grown / rebuilt / moved)
+                self._device_tables.on(q.device)  # current table (grown / rebuilt / moved)
             positions = torch.arange(offset, offset + seq, device=q.device)[:, None]
         else:
             nd = positions.dim()
             if 0 < nd <= q.dim() - 2 and tuple(positions.shape) == tuple(q.shape[-2 - nd : -2]):
                 positions = positions[..., None]  # per token: broadcast over heads
             if not torch.compiler.is_compiling():
-                self._device = q.device
-                self._table = self.cache.cos_sin_on(q.device)
-        table = self._table
+                self._device_tables.on(q.device)
+        table = self._device_tables.table
         if inplace:
             apply_rotary_qk_(q, k, positions, table, interleaved=self.interleaved)
             return q, k

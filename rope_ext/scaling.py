@@ -4,9 +4,11 @@ A *scaling* is a plain dict in transformers' vocabulary (the ``rope_scaling`` / 
 
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 
-:func:`normalize_scaling` checks it once (``ValueError`` naming the key and the expected value) and
-returns a canonical dict; :func:`inv_freq_and_attention_factor` turns it into the float64 inverse
-frequencies ``[rotary_dim / 2]`` and the attention factor that multiplies both cos and sin.
+:func:`resolve_rope_type` is the one place that reads the variant's name (``rope_type``, the 4.x ``type``,
+the legacy ``"su"`` alias of ``longrope``) and rejects unknown ones; :func:`normalize_scaling` checks the
+whole dict once (``ValueError`` naming the key and the expected value) and returns a canonical dict;
+:func:`inv_freq_and_attention_factor` turns it into the float64 inverse frequencies ``[rotary_dim / 2]``
+and the attention factor that multiplies both cos and sin.
 
 Variants (``d`` rotary dim, ``b`` base, ``inv_j = b ** (-2j/d)``, ``O`` original/trained length, ``L`` the
 length the table is keyed on):
@@ -38,6 +40,7 @@ from torch import Tensor
 __all__ = [
     "KNOWN_ROPE_TYPES",
     "LENGTH_DEPENDENT",
+    "resolve_rope_type",
     "normalize_scaling",
     "inv_freq_and_attention_factor",
     "yarn_correction_range",
@@ -97,6 +100,24 @@ def _factor_list(s: dict, key: str, rotary_dim: int) -> None:
     s[key] = tuple(float(x) for x in v)
 
 
+def resolve_rope_type(scaling: Mapping[str, Any] | None) -> str:
+    """The canonical variant named by a scaling dict (transformers' ``rope_scaling`` / ``rope_parameters``).
+
+    ``rope_type``, else the 4.x ``type``, else ``"default"`` (for ``None`` or ``{}`` too); the legacy
+    ``"su"`` (transformers 4.x's name of ``longrope``, Phi-3) reads as ``"longrope"``. Raises ``ValueError``
+    when the name is not a string or not one of :data:`KNOWN_ROPE_TYPES`. Only the name is checked; see
+    :func:`normalize_scaling` for the parameters.
+    """
+    s = scaling or {}
+    rope_type = s.get("rope_type") or s.get("type") or "default"
+    if not isinstance(rope_type, str):
+        raise ValueError(f"'rope_type' must be a string, one of {list(KNOWN_ROPE_TYPES)}, got {rope_type!r}")
+    rope_type = _ALIASES.get(rope_type, rope_type)
+    if rope_type not in KNOWN_ROPE_TYPES:
+        raise ValueError(f"unknown RoPE scaling 'rope_type' {rope_type!r}; known: {list(KNOWN_ROPE_TYPES)}")
+    return rope_type
+
+
 def normalize_scaling(scaling: Mapping[str, Any] | None, rotary_dim: int) -> dict[str, Any]:
     """Validate a scaling dict and return a canonical copy (``rope_type`` set, numbers as float/int).
 
@@ -106,13 +127,9 @@ def normalize_scaling(scaling: Mapping[str, Any] | None, rotary_dim: int) -> dic
     transformers. Raises ``ValueError`` naming the offending key and the expected value.
     """
     s: dict[str, Any] = dict(scaling or {})
-    rope_type = s.pop("rope_type", None) or s.pop("type", None) or "default"
+    rope_type = resolve_rope_type(s)
+    s.pop("rope_type", None)
     s.pop("type", None)
-    if not isinstance(rope_type, str):
-        raise ValueError(f"'rope_type' must be a string, one of {list(KNOWN_ROPE_TYPES)}, got {rope_type!r}")
-    rope_type = _ALIASES.get(rope_type, rope_type)
-    if rope_type not in KNOWN_ROPE_TYPES:
-        raise ValueError(f"unknown RoPE scaling 'rope_type' {rope_type!r}; known: {list(KNOWN_ROPE_TYPES)}")
     s["rope_type"] = rope_type
     if rope_type == "default":
         return s

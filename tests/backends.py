@@ -5,16 +5,19 @@
 * ``emu-tokens`` - the CUDA kernel body run on the CPU over the token-parallel grid;
 * ``emu-heads``  - the same over the grid that splits heads across blocks (few tokens, many SMs);
 * ``emu-scalar`` - the CUDA body with 16-byte vector accesses disabled (the scalar fallback).
+
+The ``emu-*`` backends need the test-only op ``_cuda_emulated`` (builds with ROPE_EXT_TESTING=1) and skip
+without it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import HAS_CUDA, skip_without_emulation
 
 import rope_ext
 
-HAS_CUDA = torch.cuda.is_available()
 BACKENDS = ["cpu", "cuda", "emu-tokens", "emu-heads", "emu-scalar"]
 _EMULATION = {"emu-tokens": (1, False), "emu-heads": (100_000, False), "emu-scalar": (4, True)}
 
@@ -24,11 +27,14 @@ def device_of(backend: str) -> torch.device:
         if not HAS_CUDA:
             pytest.skip("no CUDA device")
         return torch.device("cuda")
+    if backend in _EMULATION:
+        skip_without_emulation()
     return torch.device("cpu")
 
 
 def emulate(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False):
     """Runs the CUDA kernel body on the host; returns (q_out, k_out, launch)."""
+    skip_without_emulation()
     num_sms, scalar = _EMULATION[backend]
     q_out = q if inplace else torch.empty_like(q)
     k_out = None if k is None else (k if inplace else torch.empty_like(k))

@@ -1,49 +1,14 @@
-"""Shared helpers for the test suite."""
+"""pytest fixtures and hooks; the hypothesis profiles are registered by importing _strategies.
+
+Shared helpers (dtypes, the accuracy contract, capability flags) live in _helpers.py.
+"""
 
 from __future__ import annotations
 
 import _strategies  # noqa: F401  (registers the hypothesis profiles ci and long)
 import pytest
 import torch
-
-import rope_ext
-from rope_ext import reference
-
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-HAS_CUDA = torch.cuda.is_available()
-
-
-def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spacing of `dtype` at each value of the float64 tensor `t` (one unit in the last place)."""
-    finfo = torch.finfo(dtype)
-    mag = t.abs().clamp_min(finfo.smallest_normal)
-    exp = torch.floor(torch.log2(mag))
-    return torch.exp2(exp) * finfo.eps
-
-
-def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:
-    """The project's accuracy contract against the float64 reference (same cos_sin):
-
-    * float32 / float64: |out - ref| <= 1e-6 * max|x| (fp32 arithmetic on values of size max|x|
-      accumulates a few ulps of 2^-24 ~ 6e-8, well inside 1e-6);
-    * float16 / bfloat16: |out - ref| <= one ulp of the output dtype at the reference value, plus
-      2^-22 * max|x|. The fp32 result is within a few 2^-24 * max|x| of the exact value, so rounding it
-      gives <= 1/2 ulp plus that; the extra term matters only when ``x1 c - x2 s`` nearly cancels (a
-      result far smaller than x, where no fp32 computation can promise 1 ulp of the tiny value; see
-      CANCELLATION_* in test_property.py), elsewhere it is below 2^-12 ulp.
-    """
-    assert out.shape == ref.shape
-    err = (out.double() - ref).abs()
-    if out.dtype in (torch.float32, torch.float64):
-        tol = 1e-6 * max(x_max, 1e-30)
-        assert err.max().item() <= tol, f"max error {err.max().item():.3g} > {tol:.3g}"
-    else:
-        tol = ulp(ref, out.dtype) + 2.0**-22 * x_max
-        bad = err > tol
-        assert not bad.any(), (
-            f"{int(bad.sum())} elements off by more than 1 ulp + 2^-22 max|x|; worst {err.max().item():.3g} "
-            f"at ref {ref.flatten()[(err - tol).flatten().argmax()].item():.6g}"
-        )
+from _helpers import HAS_CUDA
 
 
 @pytest.fixture(
@@ -53,10 +18,3 @@ def device(request):
     if request.param == "cuda" and not HAS_CUDA:
         pytest.skip("no CUDA device")
     return torch.device(request.param)
-
-
-def make_cos_sin(n_positions: int, rotary_dim: int, base: float = 10000.0, device="cpu", dtype=torch.float32):
-    return rope_ext.RopeCache(rotary_dim, base, max_positions=n_positions, device=device, dtype=dtype).cos_sin
-
-
-__all__ = ["DTYPES", "HAS_CUDA", "assert_close_to_reference", "make_cos_sin", "reference", "ulp"]

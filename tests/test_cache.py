@@ -8,6 +8,7 @@ import mpmath
 import numpy as np
 import pytest
 import torch
+from _helpers import HAS_CUDA
 
 import rope_ext
 from rope_ext import RopeCache
@@ -157,7 +158,7 @@ def test_one_copy_per_device():
     assert m2 is not m1 and m2.shape[0] == cache.capacity and cache.cos_sin_on("meta") is m2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_cuda_copy_matches():
     cache = RopeCache(64, max_positions=1024)
     g = cache.cos_sin_on("cuda")

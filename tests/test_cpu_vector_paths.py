@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_cos_sin
+from _helpers import assert_close_to_reference, make_cos_sin
 
 import rope_ext
 from rope_ext import reference
-
-
-def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:
-    """fp32: within 1e-6 max|x|; fp16/bf16: within one ulp of the output dtype at the reference value."""
-    err = (out.double() - ref).abs()
-    if out.dtype == torch.float32:
-        assert err.max().item() <= 1e-6 * x_max
-        return
-    finfo = torch.finfo(out.dtype)
-    ulp = finfo.eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(finfo.smallest_normal))))
-    bad = err > ulp
-    assert not bad.any(), f"{int(bad.sum())} elements off by more than 1 ulp, worst {err.max().item():.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import assert_close_to_reference
 from transformers import LlamaConfig
 
 import rope_ext
 from rope_ext import RopeCache, RotaryEmbedding, reference
-
-_MANT = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-
-
-def _close(out: torch.Tensor, ref: torch.Tensor, x_max: float) -> None:
-    """The project's accuracy contract: fp32/fp64 within 1e-6 * max|x|, fp16/bf16 within one ulp."""
-    err = (out.double() - ref).abs()
-    if out.dtype in (torch.float32, torch.float64):
-        assert err.max().item() <= 1e-6 * x_max
-    else:
-        mag = ref.abs().clamp_min(torch.finfo(out.dtype).smallest_normal)
-        assert (err <= torch.exp2(torch.floor(torch.log2(mag)) - _MANT[out.dtype])).all()
 
 
 def _qk(B, S, H, Hk, D, dtype=torch.float32, seed=0):
@@ -39,7 +28,9 @@ def test_forward_offset_matches_reference(dtype, interleaved, rotary_dim):
     table = reference.cos_sin_table(59, rotary_dim or 64, 5e5)
     for o, x in ((oq, q), (ok, k)):
         assert o.dtype == dtype and o.shape == x.shape
-        _close(o, reference.rotary_hadamard(x, pos, table, interleaved=interleaved), x.abs().max().item())
+        assert_close_to_reference(
+            o, reference.rotary_hadamard(x, pos, table, interleaved=interleaved), x.abs().max().item()
+        )
 
 
 def test_per_token_positions_and_unbatched_layout():
@@ -48,10 +39,12 @@ def test_per_token_positions_and_unbatched_layout():
     positions = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 7, 8, 9]])  # second row: left padding
     oq, ok = m(q, k, positions)
     ref = reference.rotary_hadamard(q, positions[..., None], m.cos_sin())
-    _close(oq, ref, q.abs().max().item())
+    assert_close_to_reference(oq, ref, q.abs().max().item())
     # [seq, heads, head_dim]: token s at offset + s
     oq3, ok3 = m(q[1], k[1], offset=3)
-    _close(oq3, reference.rotary_hadamard(q[1], torch.arange(3, 8)[:, None], m.cos_sin()), 4.0)
+    assert_close_to_reference(
+        oq3, reference.rotary_hadamard(q[1], torch.arange(3, 8)[:, None], m.cos_sin()), 4.0
+    )
     # positions [seq] for the unbatched layout, and shared by the batch
     oq4, _ = m(q[1], k[1], torch.arange(3, 8))
     assert torch.equal(oq4, oq3)
@@ -70,12 +63,14 @@ def test_inplace_and_gradients():
     a, b = m(qg, kg, offset=4)
     (a.square().sum() + b.sum()).backward()
     pos = torch.arange(4, 11)[:, None]
-    _close(
+    assert_close_to_reference(
         qg.grad,
         reference.rotary_hadamard(2 * out_q, pos, m.cos_sin(), inverse=True),
         2 * out_q.abs().max().item(),
     )
-    _close(kg.grad, reference.rotary_hadamard(torch.ones_like(k), pos, m.cos_sin(), inverse=True), 1.0)
+    assert_close_to_reference(
+        kg.grad, reference.rotary_hadamard(torch.ones_like(k), pos, m.cos_sin(), inverse=True), 1.0
+    )
 
 
 def test_module_to_lower_dtype_keeps_float32_table():

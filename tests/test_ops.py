@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import DTYPES, assert_close_to_reference, requires_emulation
 from backends import BACKENDS, device_of, emulate, rotate_qk
-from conftest import DTYPES, assert_close_to_reference
 
 import rope_ext
 from rope_ext import reference
@@ -245,6 +245,7 @@ def test_empty_is_noop(backend):
         rotate_qk(backend, x, None, pos, cs, interleaved=False, inplace=True)
 
 
+@requires_emulation
 def test_emulated_grids_and_paths():
     """The emulation really exercises both grid shapes and both access paths."""
     q, k, pos = make_qk("thd", torch.bfloat16, "cpu", head_dim=128)
@@ -269,6 +270,7 @@ def test_emulated_grids_and_paths():
     assert launch[4] == 0
 
 
+@requires_emulation
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_emulated_out_of_cache_positions_give_nan(interleaved):
     """On CUDA a position outside the cache never reads outside it: that token's rotated features

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import assert_close_to_reference, requires_emulation
 from _strategies import Case, View, build, cases, property_settings, view_mask
 from _strategies import bits as raw_bits
-from conftest import assert_close_to_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -261,6 +261,7 @@ def _emulation_case(aligned: bool):
     )
 
 
+@requires_emulation
 @pytest.mark.parametrize("force_scalar", [False, True], ids=["vector", "scalar"])
 @property_settings(250)
 @given(drawn=_emulation_case(aligned=False), num_sms=NUM_SMS)
@@ -298,6 +299,7 @@ EMPTY_Q = Case(
 )
 
 
+@requires_emulation
 @pytest.mark.parametrize("force_scalar", [False, True], ids=["vector", "scalar"])
 @property_settings(250)
 @given(drawn=_emulation_case(aligned=True), num_sms=NUM_SMS)

@@ -27,7 +27,7 @@ import math
 
 import pytest
 import torch
-from conftest import ulp
+from _helpers import ulp
 from transformers import GPTNeoXConfig, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "../rope/rope.h"
+
 namespace rope_ext {
 namespace {
 
@@ -43,6 +45,8 @@ void check_input(const at::Tensor& x, const char* name) {
                    x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1, name,
                     " must have at least one dim [..., head_dim], got a scalar");
+  TORCH_CHECK_VALUE(x.size(-1) <= rope::kMaxHeadDim, name, ".shape[-1] (head_dim) must be at most ",
+                    rope::kMaxHeadDim, ", got ", x.size(-1));
   TORCH_CHECK_VALUE(x.size(-1) <= 1 || x.stride(-1) == 1, name,
                     " must have a contiguous last dim (stride 1), got strides ",
                     shape_str(x.strides()));
@@ -302,12 +306,16 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
     }
     p.n_tokens *= tok[i].size;
   }
+  // A separate output gets the pass-through features copied; in place they
+  // are already there.
   p.t[0].in = q_in.data_ptr();
   p.t[0].out = q_out.data_ptr();
+  p.t[0].copy_pass = !q_out.is_same(q_in);
   fill_heads(p.t[0], coalesce(qh, 2));
   if (k_in) {
     p.t[1].in = k_in->data_ptr();
     p.t[1].out = k_out->data_ptr();
+    p.t[1].copy_pass = !k_out->is_same(*k_in);
     fill_heads(p.t[1], coalesce(kh, 2));
   }
   p.positions = positions.data_ptr();
@@ -321,13 +329,6 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   p.inverse = inverse;
   p.x_dtype = to_dtype(q_in.scalar_type());
   p.cs_dtype = to_dtype(cos_sin.scalar_type());
-  if (k_in && q_in.numel() == 0) {
-    // An empty tensor has null data pointers (in == out), which the CUDA kernel
-    // would read as "in place" and skip copying k's pass-through features:
-    // rotate k alone.
-    std::swap(p.t[0], p.t[1]);
-    p.n_tensors = 1;
-  }
   return p;
 }
 

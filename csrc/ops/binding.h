@@ -8,7 +8,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../rope/rope.h"
+#include "../rope/params.h"
 
 namespace rope_ext {
 

@@ -1,8 +1,7 @@
-// Test-only: runs the CUDA kernel body (rope/cuda_kernel.cuh) on the CPU, one
-// thread of the CUDA grid at a time, with every vector access checked for
-// alignment. Tests compare its output with the float64 reference, so the CUDA
+// Test support (ROPE_EXT_TESTING=1 builds only): runs the CUDA kernel body on
+// the CPU. Tests compare its output with the float64 reference, so the CUDA
 // indexing, vector paths and grid shapes are checked on machines without a GPU.
-#include <ATen/ATen.h>
+#include "cuda_emulated.h"
 
 #include "../rope/cuda_kernel.cuh"
 #include "binding.h"
@@ -24,8 +23,7 @@ std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::
   const auto p = make_params(q, q_out, kp, kop, positions, cos_sin, interleaved, inverse);
   check_writable(q_out, kop);
   const auto l = rope::gpu::plan_launch(p, num_sms, force_scalar);
-  if (p.n_tokens > 0 && p.t[0].n_heads + (kp ? p.t[1].n_heads : 0) > 0 &&
-      l.n_rot_units + l.n_pass_units > 0) {
+  if (rope::gpu::has_work(p, l)) {
     rope::gpu::dispatch_cuda(
         p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
           for (int64_t by = 0; by < l.grid_y; ++by)

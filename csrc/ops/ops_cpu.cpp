@@ -2,8 +2,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../rope/cpu_kernel.h"
+#include "../rope/cpu.h"
+#include "../rope/rope.h"
 #include "binding.h"
+#if defined(ROPE_EXT_TESTING)
+#include "cuda_emulated.h"
+#endif
 
 namespace rope_ext {
 namespace {
@@ -52,17 +56,18 @@ void rotary_qk_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>&
 
 }  // namespace
 
-std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                                   const at::Tensor& q_out, const std::optional<at::Tensor>& k_out,
-                                   const at::Tensor& positions, const at::Tensor& cos_sin,
-                                   bool interleaved, bool inverse, int64_t num_sms,
-                                   bool force_scalar);
-
 }  // namespace rope_ext
 
 TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("rotary", &rope_ext::rotary_cpu);
   m.impl("rotary_qk", &rope_ext::rotary_qk_cpu);
   m.impl("rotary_qk_", &rope_ext::rotary_qk_inplace_cpu);
+#if defined(ROPE_EXT_TESTING)
   m.impl("_cuda_emulated", &rope_ext::cuda_emulated);
+#endif
+}
+
+// An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.
+TORCH_LIBRARY_IMPL(rope_ext, CompositeImplicitAutograd, m) {
+  m.impl("_cpu_isa", [] { return std::string(rope::cpu::isa()); });
 }

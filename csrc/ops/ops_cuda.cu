@@ -9,19 +9,11 @@
 #include <array>
 #include <atomic>
 
-#include "../rope/cuda_kernel.cuh"
+#include "../rope/cuda.h"
 #include "binding.h"
 
 namespace rope_ext {
 namespace {
-
-template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(256)
-    rotary_kernel(const rope::RopeParams p, const rope::gpu::Launch l) {
-  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(p, l,
-                                                {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y,
-                                                 blockDim.x, blockDim.y, gridDim.x, gridDim.y});
-}
 
 int64_t sm_count(int device) {
   // Cached per device: the launch path makes no CUDA API call but the launch.
@@ -37,15 +29,8 @@ int64_t sm_count(int device) {
 
 void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const auto l = rope::gpu::plan_launch(p, sm_count(q.get_device()), false);
-  if (l.n_rot_units + l.n_pass_units == 0) return;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  rope::gpu::dispatch_cuda(p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-    rotary_kernel<T, CS, Pos, IL, Vec>
-        <<<dim3(unsigned(l.grid_x), unsigned(l.grid_y)),
-           dim3(unsigned(l.block_x), unsigned(l.block_y)), 0, stream>>>(p, l);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(
+      rope::gpu::launch(p, int(sm_count(q.get_device())), c10::cuda::getCurrentCUDAStream()));
 }
 
 // Positions are not inspected on the host (that would synchronise): a

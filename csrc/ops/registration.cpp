@@ -2,8 +2,6 @@
 // ops_cpu.cpp and ops_cuda.cu.
 #include <torch/library.h>
 
-#include "../rope/cpu_kernel.h"
-
 #if defined(ROPE_EXT_PYTHON_MODULE)
 #include <Python.h>
 extern "C" {
@@ -30,12 +28,16 @@ TORCH_LIBRARY(rope_ext, m) {
   m.def(
       "rotary_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
       "bool interleaved=False, bool inverse=False) -> ()");
-  // Test-only: the CUDA kernel body run on the CPU over the CUDA grid, writing
-  // into q_out / k_out (which may be q / k). num_sms picks the grid shape as
-  // on a GPU with that many SMs; force_scalar disables 16-byte accesses.
+#if defined(ROPE_EXT_TESTING)
+  // Test builds only (ROPE_EXT_TESTING=1): the CUDA kernel body run on the CPU
+  // over the CUDA grid, writing into q_out / k_out (which may be q / k).
+  // num_sms picks the grid shape as on a GPU with that many SMs; force_scalar
+  // disables 16-byte accesses. Returns [grid_x, grid_y, block_x, block_y,
+  // vectorized].
   m.def(
       "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
       "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar) -> int[]");
+#endif
   // Whether this build contains the CUDA kernels.
   m.def("_built_with_cuda() -> bool", [] {
 #if defined(ROPE_EXT_WITH_CUDA)
@@ -44,6 +46,6 @@ TORCH_LIBRARY(rope_ext, m) {
     return false;
 #endif
   });
-  // Name of the CPU instruction set in use ("avx2" or "scalar").
-  m.def("_cpu_isa() -> str", [] { return std::string(rope::cpu::isa()); });
+  // Name of the CPU instruction set in use ("avx2" or "scalar"); ops_cpu.cpp.
+  m.def("_cpu_isa() -> str");
 }

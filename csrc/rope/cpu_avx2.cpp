@@ -1,21 +1,37 @@
-// AVX2 + FMA + F16C build of the CPU kernel. Compiled for those extensions
-// whatever the global flags; only called after a runtime CPU check.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#pragma GCC target("avx2,fma,f16c")
-#define ROPE_HAVE_AVX2 1
-#include <immintrin.h>
-#endif
-
+// AVX2 + FMA + F16C build of the CPU kernel, called only after a run-time
+// CPU check (cpu_kernel.cpp).
+//
+// Only the code of this file and of the rope headers is compiled for AVX2:
+// the standard headers are included before the target pragma (their inline
+// functions and templates keep the default instruction set), and ROPE_ISA
+// puts the rope headers' inline code in namespace rope::avx2, so none of it
+// can be merged at link time with the portable copies (a CPU without AVX2
+// would then run AVX2 code). tests/test_build.py checks both in the objects.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
+
+#include "params.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define ROPE_HAVE_AVX2 1
+#define ROPE_ISA avx2
+#pragma GCC target("avx2,fma,f16c")
+#endif
 
 #include "cpu_kernel.h"
 
 namespace rope {
-namespace cpu {
-namespace detail {
 
 #if ROPE_HAVE_AVX2
+
+inline namespace ROPE_ISA {
+namespace host {
 
 // Eight elements of any 32-bit-or-narrower float type, widened to fp32 lanes.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -228,33 +244,27 @@ struct Avx2Head : ScalarTable {
   }
 };
 
-void rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
+}  // namespace host
+}  // namespace ROPE_ISA
+
+void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
   dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
     // The rotary dims of most models get fully unrolled head loops.
     switch (p.rotary_dim) {
       case 64:
-        return rotate_tokens_impl<T, CS, Pos, IL, Avx2Head<64>>(p, begin, end);
+        return host::rotate_tokens_impl<T, CS, Pos, IL, host::Avx2Head<64>>(p, begin, end);
       case 128:
-        return rotate_tokens_impl<T, CS, Pos, IL, Avx2Head<128>>(p, begin, end);
+        return host::rotate_tokens_impl<T, CS, Pos, IL, host::Avx2Head<128>>(p, begin, end);
       default:
-        return rotate_tokens_impl<T, CS, Pos, IL, Avx2Head<0>>(p, begin, end);
+        return host::rotate_tokens_impl<T, CS, Pos, IL, host::Avx2Head<0>>(p, begin, end);
     }
   });
 }
 
-bool avx2_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
 #else
 
-void rotate_tokens_avx2(const RopeParams&, int64_t, int64_t) {}
-bool avx2_supported() { return false; }
+void cpu::detail::rotate_tokens_avx2(const RopeParams&, int64_t, int64_t) {}
 
 #endif
 
-}  // namespace detail
-}  // namespace cpu
 }  // namespace rope

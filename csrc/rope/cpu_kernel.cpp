@@ -1,5 +1,7 @@
-// Portable CPU kernel and the runtime choice between it and the AVX2 build.
+// Portable CPU kernel and the run-time choice between it and the AVX2 build.
 #include "cpu_kernel.h"
+
+#include "cpu.h"
 
 namespace rope {
 namespace cpu {
@@ -11,10 +13,20 @@ bool use_avx2() {
 }
 }  // namespace
 
+bool detail::avx2_supported() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
 void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
   if (use_avx2()) return detail::rotate_tokens_avx2(p, begin, end);
   dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
-    detail::rotate_tokens_impl<T, CS, Pos, IL, detail::ScalarHead>(p, begin, end);
+    host::rotate_tokens_impl<T, CS, Pos, IL, host::ScalarHead>(p, begin, end);
   });
 }
 

@@ -1,7 +1,11 @@
-// CPU rotary kernel: the token loop, shared by the portable build and the
-// AVX2 build. Torch-free; the caller splits tokens over threads.
+// CPU rotary kernel internals: the token loop, shared by the portable build
+// (cpu_kernel.cpp) and the AVX2 build (cpu_avx2.cpp). Torch-free.
+//
+// Everything defined here lives in rope::ROPE_ISA (see rope.h): each
+// instruction set compiles its own copy under its own names.
 #pragma once
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -9,15 +13,16 @@
 
 namespace rope {
 namespace cpu {
-
-// Rotates tokens [begin, end) of every tensor in `p`, dispatching on dtypes,
-// pairing and the instruction set of this machine.
-void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end);
-
-// Instruction set used by rotate_tokens on this machine: "avx2" or "scalar".
-const char* isa();
-
 namespace detail {
+// The AVX2 build (cpu_avx2.cpp): call only when avx2_supported().
+void rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end);
+// Whether this CPU has AVX2, FMA and F16C (portable code: safe on any CPU).
+bool avx2_supported();
+}  // namespace detail
+}  // namespace cpu
+
+inline namespace ROPE_ISA {
+namespace host {
 
 // Table of ScalarHead: built per token from one cos/sin row (layout below).
 struct ScalarTable {
@@ -112,7 +117,7 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       const RotTensor& t = p.t[ti];
       const T* in = static_cast<const T*>(t.in) + o.in[ti];
       T* out = static_cast<T*>(t.out) + o.out[ti];
-      const bool copy_pass = t.in != t.out;
+      const bool copy_pass = t.copy_pass;
       if (t.n_head_dims <= 1) {
         const int64_t si = t.n_head_dims ? t.in_head_stride[0] : 0;
         const int64_t so = t.n_head_dims ? t.out_head_stride[0] : 0;
@@ -129,9 +134,6 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end);
-bool avx2_supported();
-
-}  // namespace detail
-}  // namespace cpu
+}  // namespace host
+}  // namespace ROPE_ISA
 }  // namespace rope

@@ -1,7 +1,8 @@
-// CUDA rotary kernel, torch-free. The body each thread runs is a host-device
-// function: the CUDA launcher calls it from a __global__ wrapper, and a host
-// emulation (cuda_emulate.cpp) calls it over the same grid on the CPU, so the
-// indexing is tested without a GPU.
+// CUDA rotary kernel, torch-free: the launch shape (plan_launch) and the body
+// each thread runs (rotary_thread), a host-device function. The launcher
+// (cuda_launch.cu) calls it from a __global__ wrapper over the grid that
+// plan_launch chose; the host emulation (csrc/ops/cuda_emulated.cpp) calls it
+// over the same grid on the CPU, so the indexing is tested without a GPU.
 //
 // Work split. A block handles one token at a time (grid-stride over tokens in
 // x). Its threads form a (lanes x head-rows) tile: lane `tx` owns one "unit" of
@@ -192,6 +193,13 @@ struct Launch {
   bool vectorized;
 };
 
+// Whether some tensor with work copies its pass-through features.
+inline bool any_copy_pass(const RopeParams& p) {
+  for (int t = 0; t < p.n_tensors; ++t)
+    if (p.t[t].copy_pass && p.t[t].n_heads > 0) return true;
+  return false;
+}
+
 // Whether every access of the vector path is aligned (for the element sizes
 // of x and of the cache).
 inline bool can_vectorize(const RopeParams& p) {
@@ -199,8 +207,7 @@ inline bool can_vectorize(const RopeParams& p) {
   const int64_t V = 16 / x_size;
   const int64_t r = p.rotary_dim, h = r / 2, D = p.head_dim;
   if (p.interleaved ? r % V != 0 : h % V != 0) return false;
-  const bool copy_pass = p.t[0].in != p.t[0].out;
-  if (copy_pass && (r % V != 0 || (D - r) % V != 0)) return false;
+  if (any_copy_pass(p) && (r % V != 0 || (D - r) % V != 0)) return false;
   for (int t = 0; t < p.n_tensors; ++t) {
     const RotTensor& rt = p.t[t];
     if (rt.n_heads == 0 || p.n_tokens == 0) continue;  // never accessed
@@ -217,14 +224,16 @@ inline bool can_vectorize(const RopeParams& p) {
          (p.cs_row_stride * cs_size) % chunk == 0 && (h * cs_size) % chunk == 0;
 }
 
-inline Launch plan_launch(const RopeParams& p, int64_t num_sms, bool force_scalar) {
+// The grid and block a launch on a GPU with `num_sms` SMs uses (the launcher
+// and the host emulation both take it from here). force_scalar disables the
+// 16-byte vector path (tests).
+inline Launch plan_launch(const RopeParams& p, int64_t num_sms, bool force_scalar = false) {
   Launch l{};
   l.vectorized = !force_scalar && can_vectorize(p);
   const int64_t v = l.vectorized ? 16 / dtype_size(p.x_dtype) : 1;
   const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
-  const bool copy_pass = p.t[0].in != p.t[0].out;
   l.n_rot_units = (p.rotary_dim / 2) / ppu;
-  l.n_pass_units = copy_pass ? (p.head_dim - p.rotary_dim) / v : 0;
+  l.n_pass_units = any_copy_pass(p) ? (p.head_dim - p.rotary_dim) / v : 0;
   const int64_t lanes = l.n_rot_units + l.n_pass_units;
   int64_t heads = 0;
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
@@ -247,6 +256,13 @@ inline Launch plan_launch(const RopeParams& p, int64_t num_sms, bool force_scala
     if (l.grid_y > 65535) l.grid_y = 65535;
   }
   return l;
+}
+
+// Whether the launch has any work (no block is launched otherwise).
+inline bool has_work(const RopeParams& p, const Launch& l) {
+  int64_t heads = 0;
+  for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
+  return p.n_tokens > 0 && heads > 0 && l.n_rot_units + l.n_pass_units > 0;
 }
 
 // The body of one CUDA thread.
@@ -291,6 +307,7 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
         const T* in = static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin;
         T* out = static_cast<T*>(p.t[ti].out) + o.out[ti] + hout;
         if (!rot) {
+          if (!p.t[ti].copy_pass) continue;  // in place: already in the output
           const int64_t e = p.rotary_dim + (lane - l.n_rot_units) * V;
           T x[V];
           load_n<Vectorized>(in + e, x);

@@ -1,14 +1,18 @@
-// Torch-free core of rope_ext: the parameter struct every kernel takes, the
-// element types, and the per-pair math shared by the CPU and CUDA kernels.
+// Per-pair math of rope_ext, shared by the CPU and CUDA kernels: bit-exact
+// fp16/bf16 conversions, the rotation of one feature pair, the pairing of
+// features, and the index math of RopeParams (params.h). Torch-free.
 //
-// Nothing here includes torch. Kernels receive raw pointers plus explicit
-// sizes and strides (in elements), so any layout whose last dim is contiguous
-// is rotated without a copy.
+// Every function here is inline. A translation unit compiled for another
+// instruction set (the AVX2 CPU kernel) defines ROPE_ISA before including
+// this header, so that its copies get names of their own (rope::avx2::...)
+// and can never stand in for the portable ones at link time.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "params.h"
 
 #if defined(__CUDACC__)
 #define ROPE_HD __host__ __device__ __forceinline__
@@ -18,21 +22,12 @@
 #define ROPE_UNROLL
 #endif
 
+#ifndef ROPE_ISA
+#define ROPE_ISA portable
+#endif
+
 namespace rope {
-
-// Batch dims left after coalescing (token dims and head dims counted apart).
-constexpr int kMaxDims = 6;
-
-enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
-
-// 16-bit storage types. The kernels only move their bits; all arithmetic
-// happens in float (double for float64 inputs).
-struct Half {
-  uint16_t bits;
-};
-struct BFloat16 {
-  uint16_t bits;
-};
+inline namespace ROPE_ISA {
 
 // ---------------------------------------------------------------------------
 // Bit-exact conversions (round to nearest even), identical on host and device.
@@ -144,53 +139,6 @@ ROPE_HD void pair_index(bool interleaved, int j, int rotary_dim, int& i1, int& i
   i2 = interleaved ? 2 * j + 1 : j + rotary_dim / 2;
 }
 
-// ---------------------------------------------------------------------------
-// Parameters.
-//
-// The batch dims of q and k (every dim but the last) are split in two groups:
-//   token dims: where positions vary; q and k have the same sizes there;
-//   head dims:  where positions are constant (broadcast); q and k may differ
-//               (GQA).
-// A kernel therefore reads one position and one cos/sin row per token and
-// reuses them for every head of q and k.
-
-struct RotTensor {
-  const void* in;  // [tokens..., heads..., head_dim], last dim contiguous
-  void* out;       // same shape; may equal `in` (in place)
-  int n_head_dims;
-  int64_t n_heads;  // product of head_size
-  int64_t head_size[kMaxDims];
-  int64_t in_head_stride[kMaxDims];
-  int64_t out_head_stride[kMaxDims];
-  int64_t in_tok_stride[kMaxDims];  // per token dim of RopeParams
-  int64_t out_tok_stride[kMaxDims];
-};
-
-struct RopeParams {
-  RotTensor t[2];  // q, then k (optional)
-  int n_tensors;
-
-  int n_tok_dims;
-  int64_t n_tokens;  // product of tok_size
-  int64_t tok_size[kMaxDims];
-
-  const void* positions;  // int32 or int64
-  int64_t pos_stride[kMaxDims];
-
-  const void* cos_sin;  // [n_cache_rows, rotary_dim]: cos for j < rotary_dim/2, then sin
-  int64_t cs_row_stride;
-  int64_t n_cache_rows;
-
-  int head_dim;
-  int rotary_dim;
-  bool interleaved;
-  bool inverse;
-
-  DType x_dtype;   // dtype of q and k (input and output)
-  DType cs_dtype;  // float32, or x_dtype
-  bool pos_int64;  // positions are int64 (else int32)
-};
-
 // Bytes per element of a DType.
 ROPE_HD int dtype_size(DType t) { return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2; }
 
@@ -272,4 +220,5 @@ void dispatch_types(const RopeParams& p, F&& f) {
   }
 }
 
+}  // namespace ROPE_ISA
 }  // namespace rope

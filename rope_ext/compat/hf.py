@@ -1,14 +1,10 @@
-"""Drop-in adapters: HF transformers, vLLM-style servers, and two well-known RoPE code forms.
+"""transformers adapters: ``apply_rotary_pos_emb`` and patching a loaded model's RoPE.
 
 * :func:`apply_rotary_pos_emb` - transformers' function (``q * cos + rotate_half(q) * sin``), same
   arguments, broadcasting, output dtypes and gradients, computed by rope_ext's op.
+* :class:`HFRotaryAdapter` - stands in for a model's ``*RotaryEmbedding`` (cos / sin from rope_ext caches).
 * :func:`patch_transformers` / :func:`unpatch_transformers` - route a loaded Llama, Mistral or Qwen2
-  model's RoPE through rope_ext.
-* :func:`rotary_embedding` - vLLM's in-place ``rotary_embedding(positions, query, key, head_size,
-  cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors.
-* :class:`RotaryPositionalEmbeddings` - seq-first ``[seq, batch, heads, features]`` module rotating the
-  first ``d`` features, half-split pairing (the layout of labml's annotated implementation).
-* :func:`apply_rotary_emb` / :func:`precompute_freqs_cis` - Meta's Llama complex form.
+  model's RoPE through rope_ext (adapter + the modeling module's ``apply_rotary_pos_emb``), and back.
 """
 
 from __future__ import annotations
@@ -19,19 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .cache import RopeCache
-from .module import _target_device
-from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_
-from .reference import rotate_half
+from .._tables import DeviceTables
+from ..cache import RopeCache
+from ..ops import apply_rotary, apply_rotary_qk
+from ..reference import rotate_half
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "HFRotaryAdapter",
+    "SUPPORTED_MODEL_TYPES",
     "patch_transformers",
     "unpatch_transformers",
-    "rotary_embedding",
-    "RotaryPositionalEmbeddings",
-    "apply_rotary_emb",
-    "precompute_freqs_cis",
 ]
 
 _OP_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -172,14 +166,17 @@ class HFRotaryAdapter(nn.Module):
             self.caches["main"].reserve(max_positions)
         else:
             self.caches = {"main": RopeCache.from_hf_config(config, max_positions=max_positions)}
-        self._device = torch.device("cpu")
-        self._tables = {k: c.cos_sin for k, c in self.caches.items()}
+        self._device_tables = DeviceTables(self.caches)
+
+    @property
+    def _tables(self) -> dict[str, Tensor]:
+        """Each cache's table as last fetched, on the module's device (what a compiled forward reads)."""
+        return self._device_tables.tables
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
         self._original._apply(fn, recurse)
-        self._device = _target_device(fn, self._device)
-        self._tables = {k: c.cos_sin_on(self._device) for k, c in self.caches.items()}
+        self._device_tables.follow(fn)
         return self
 
     def _eager_update(self, position_ids: Tensor, device: torch.device) -> None:
@@ -194,21 +191,19 @@ class HFRotaryAdapter(nn.Module):
                 c.set_seq_len(self.original_max)
         for c in self.caches.values():
             c.reserve(n)
-        self._device = device
-        self._tables = {k: c.cos_sin_on(device) for k, c in self.caches.items()}
+        self._device_tables.on(device)
 
     def forward(
         self, x: Tensor, position_ids: Tensor, layer_type: str | None = None
     ) -> tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling():
             self._eager_update(position_ids, x.device)
+        tables = self._device_tables.tables
         if self.rope_type == "longrope":
             use_long = (position_ids.max() + 1) > self.original_max
-            rows = torch.where(
-                use_long, self._tables["long"][position_ids], self._tables["short"][position_ids]
-            )
+            rows = torch.where(use_long, tables["long"][position_ids], tables["short"][position_ids])
         else:
-            rows = self._tables["main"][position_ids]
+            rows = tables["main"][position_ids]
         h = rows.shape[-1] // 2
         c, s = rows[..., :h], rows[..., h:]
         return torch.cat([c, c], dim=-1).to(x.dtype), torch.cat([s, s], dim=-1).to(x.dtype)
@@ -275,122 +270,3 @@ def unpatch_transformers(model: nn.Module) -> nn.Module:
                 if original is not None:
                     modeling.apply_rotary_pos_emb = original
     return model
-
-
-# ---------------------------------------------------------------------------------------------
-# vLLM
-
-
-def rotary_embedding(
-    positions: Tensor,
-    query: Tensor,
-    key: Tensor | None,
-    head_size: int,
-    cos_sin_cache: Tensor,
-    is_neox: bool,
-) -> None:
-    """vLLM's ``rotary_embedding`` custom op: rotate ``query`` and ``key`` in place.
-
-    ``positions`` int64/int32 ``[num_tokens]`` (or ``[batch, seq]``); ``query`` ``[num_tokens, num_heads *
-    head_size]`` (or ``[num_tokens, num_heads, head_size]``, or with ``[batch, seq]`` leading dims), token
-    stride free (a slice of a packed QKV tensor works), last dim contiguous; ``key`` likewise with its own
-    head count, or ``None``. ``cos_sin_cache`` ``[max_position, rot_dim]`` (cos half, sin half); the first
-    ``rot_dim <= head_size`` features of each head rotate, the rest are untouched. ``is_neox``: half-split
-    pairs (GPT-NeoX) if true, interleaved (GPT-J) if false. A cache in a dtype other than float32 and
-    ``query``'s is used as float32. Returns ``None``.
-    """
-    if cos_sin_cache.dtype not in (torch.float32, query.dtype):
-        cos_sin_cache = cos_sin_cache.float()
-    pdim = positions.dim()
-
-    def heads(x: Tensor) -> Tensor:
-        if x.dim() == pdim + 1:
-            return x.unflatten(-1, (-1, head_size))
-        if x.dim() == pdim + 2 and x.shape[-1] == head_size:
-            return x
-        raise ValueError(
-            f"expected [*positions.shape, num_heads * {head_size}] or [..., num_heads, {head_size}], "
-            f"got {tuple(x.shape)} with positions {tuple(positions.shape)}"
-        )
-
-    q = heads(query)
-    k = heads(key) if key is not None else None
-    apply_rotary_qk_(q, k, positions[..., None], cos_sin_cache, interleaved=not is_neox)
-
-
-# ---------------------------------------------------------------------------------------------
-# labml-style seq-first module
-
-
-class RotaryPositionalEmbeddings(nn.Module):
-    """RoPE for ``x`` ``[seq_len, batch, heads, features]``: token ``s`` is at position ``s``, the first ``d``
-    features rotate with half-split pairs ``(i, i + d/2)``, ``theta_i = base ** (-2i / d)``; features past
-    ``d`` pass through. Output has ``x``'s shape and dtype (the table is float32 with float64 angles).
-    ``d`` must be even.
-    """
-
-    def __init__(self, d: int, base: int | float = 10_000) -> None:
-        super().__init__()
-        self.d = d
-        self.base = base
-        self.cache = RopeCache(d, float(base), max_positions=1)
-        self._device = torch.device("cpu")
-        self._table = self.cache.cos_sin
-
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
-        self._device = _target_device(fn, self._device)
-        self._table = self.cache.cos_sin_on(self._device)
-        return self
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 4 or x.shape[-1] < self.d:
-            raise ValueError(f"x must be [seq_len, batch, heads, features >= {self.d}], got {tuple(x.shape)}")
-        seq = x.shape[0]
-        if not torch.compiler.is_compiling():
-            self.cache.ensure(seq)
-            self._device = x.device
-            self._table = self.cache.cos_sin_on(x.device)
-        positions = torch.arange(seq, device=x.device)[:, None, None]
-        return apply_rotary(x if x.stride(-1) == 1 else x.contiguous(), positions, self._table)
-
-
-# ---------------------------------------------------------------------------------------------
-# Meta's complex form
-
-
-def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> Tensor:
-    """complex64 ``[end, dim / 2]``: ``exp(i * p * theta ** (-2j / dim))`` (Meta's ``precompute_freqs_cis``),
-    from float64 angles."""
-    t = RopeCache(dim, theta, max_positions=end).cos_sin
-    h = dim // 2
-    return torch.complex(t[:, :h].contiguous(), t[:, h:].contiguous())
-
-
-def apply_rotary_emb(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
-    """Meta's ``apply_rotary_emb``: pairs ``(2j, 2j+1)`` of ``xq`` ``[batch, seq, heads, head_dim]`` (and
-    ``xk``, its own head count) as complex numbers times ``freqs_cis`` ``[seq, head_dim / 2]`` (complex).
-    Float32 arithmetic, outputs in the inputs' dtypes (``type_as``); differentiable in ``xq`` and ``xk``
-    (and ``freqs_cis`` when it requires grad, through the complex formula)."""
-    s, d = xq.shape[1], xq.shape[-1]
-    if xq.dim() != 4 or xk.dim() != 4 or tuple(freqs_cis.shape) != (s, d // 2) or not freqs_cis.is_complex():
-        raise ValueError(
-            "expected xq, xk [batch, seq, heads, head_dim] and complex freqs_cis "
-            f"[seq, head_dim/2] = {(s, d // 2)}, "
-            f"got {tuple(xq.shape)}, {tuple(xk.shape)}, {tuple(freqs_cis.shape)}"
-        )
-    if torch.is_grad_enabled() and freqs_cis.requires_grad:
-        f = freqs_cis[None, :, None, :]
-        oq = torch.view_as_real(torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2)) * f).flatten(
-            3
-        )
-        ok = torch.view_as_real(torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2)) * f).flatten(
-            3
-        )
-        return oq.type_as(xq), ok.type_as(xk)
-    tdtype = torch.float64 if xq.dtype == torch.float64 and xk.dtype == torch.float64 else torch.float32
-    table = torch.cat([freqs_cis.real, freqs_cis.imag], dim=-1).to(tdtype)
-    positions = torch.arange(s, device=xq.device)[:, None]
-    q = xq if xq.stride(-1) == 1 else xq.contiguous()
-    k = xk if xk.stride(-1) == 1 else xk.contiguous()
-    return apply_rotary_qk(q, k, positions, table, interleaved=True)

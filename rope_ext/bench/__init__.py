@@ -1,0 +1,95 @@
+"""rope-bench: benchmark harness for rotary-embedding kernels (``python -m rope_ext.bench``).
+
+For every workload (model preset or custom shape, token count, dtype, pairing) the harness:
+
+1. builds ``q [T, Hq, D]``, ``k [T, Hkv, D]`` (token-major, contiguous), ``positions`` (``0..T-1`` for a
+   prefill, random positions of a batch of sequences for a decode step) and a float32 cos/sin cache;
+2. validates every provider against the float64 reference (:func:`rope_ext.reference.rotary_hadamard`)
+   on the same inputs; a provider that disagrees is reported as ``wrong`` and is not timed;
+3. times the providers and the bandwidth ceilings of this machine side by side: several rounds, each
+   running every provider and every ceiling once in turn, so that noise from other processes hits them
+   alike; the median over all rounds is reported with its spread (25th-75th percentiles).
+
+The parts:
+
+* :mod:`.presets` - model presets (attention shapes), default token counts, dtypes, modes;
+* :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`), input sets;
+* :mod:`.providers` - the registry (:func:`provider`, :class:`Provider`, :class:`Skip`) and one module per
+  provider family (rope_ext, the HF references, vLLM, FlashInfer, flash-attn, Liger);
+* :mod:`.ceilings` - what the machine does with the same bytes (in-place stream, clone, copy, no-op op,
+  tiny kernel);
+* :mod:`.timing` - blocked CPU timing, CUDA events with the L2 flushed, statistics, allocator modes;
+* :mod:`.validation` - the check against the float64 reference;
+* :mod:`.runner` - :func:`run_benchmark` and the derived columns;
+* :mod:`.report` - table, summary lines, JSON, CSV, plot;
+* :mod:`.cli` - the command line (:func:`main`).
+
+Adding a provider is one small function decorated with :func:`provider`; see the existing ones.
+"""
+
+from __future__ import annotations
+
+from rope_ext.reference import hf_apply_rotary_pos_emb, hf_rotate_every_two, hf_rotate_half
+
+from .ceilings import CEILING_FOR_MODE, noop_op
+from .cli import config_from_args, main, parse_args
+from .presets import DECODE_CONTEXT, DECODE_TOKENS, DTYPES, MODES, PREFILL_TOKENS, PRESETS, Preset
+from .providers import PROVIDERS, Builder, Provider, Runner, Skip, provider
+from .report import (
+    CEILING_STYLE,
+    CSV_FIELDS,
+    TABLE_COLUMNS,
+    plot,
+    print_table,
+    summary,
+    table_rows,
+    write_csv,
+    write_json,
+)
+from .runner import machine_info, run_benchmark
+from .timing import Timer, set_cpu_allocator
+from .validation import validate
+from .workloads import Case, Config, input_sets, last_level_cache_bytes, make_case
+
+__all__ = [
+    "CEILING_FOR_MODE",
+    "CEILING_STYLE",
+    "CSV_FIELDS",
+    "DECODE_CONTEXT",
+    "DECODE_TOKENS",
+    "DTYPES",
+    "MODES",
+    "PREFILL_TOKENS",
+    "PRESETS",
+    "PROVIDERS",
+    "TABLE_COLUMNS",
+    "Builder",
+    "Case",
+    "Config",
+    "Preset",
+    "Provider",
+    "Runner",
+    "Skip",
+    "Timer",
+    "config_from_args",
+    "hf_apply_rotary_pos_emb",
+    "hf_rotate_every_two",
+    "hf_rotate_half",
+    "input_sets",
+    "last_level_cache_bytes",
+    "machine_info",
+    "main",
+    "make_case",
+    "noop_op",
+    "parse_args",
+    "plot",
+    "print_table",
+    "provider",
+    "run_benchmark",
+    "set_cpu_allocator",
+    "summary",
+    "table_rows",
+    "validate",
+    "write_csv",
+    "write_json",
+]

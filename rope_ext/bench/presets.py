@@ -1,0 +1,76 @@
+"""Model presets (attention shapes) and the sweep's defaults: token counts, dtypes, modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DECODE_CONTEXT",
+    "DECODE_TOKENS",
+    "DTYPES",
+    "MODES",
+    "PREFILL_TOKENS",
+    "PRESETS",
+    "Preset",
+    "dtype_name",
+]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Attention shape of a model: heads, head and rotary dims, pairing and rope base."""
+
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+    base: float = 10000.0
+
+
+# From each model's Hugging Face config.json: num_attention_heads, num_key_value_heads, head_dim,
+# rotary_dim (head_dim times partial_rotary_factor / rotary_pct, or GPT-J's rotary_dim), pairing
+# (interleaved for GPT-J and DeepSeek-V3's decoupled rope part) and rope_theta (10000 where it has none).
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("llama-2-7b", 32, 32, 128, 128, False, 1e4),
+        Preset("codellama-7b", 32, 32, 128, 128, False, 1e6),
+        Preset("llama-3-8b", 32, 8, 128, 128, False, 5e5),
+        Preset("llama-3.1-8b", 32, 8, 128, 128, False, 5e5),
+        Preset("llama-3-70b", 64, 8, 128, 128, False, 5e5),
+        Preset("llama-3.2-1b", 32, 8, 64, 64, False, 5e5),
+        Preset("mistral-7b", 32, 8, 128, 128, False, 1e4),
+        Preset("qwen2-7b", 28, 4, 128, 128, False, 1e6),
+        Preset("qwen2.5-7b", 28, 4, 128, 128, False, 1e6),
+        Preset("gpt-neox-20b", 64, 64, 96, 24, False, 1e4),
+        Preset("pythia-6.9b", 32, 32, 128, 32, False, 1e4),
+        Preset("gpt-j-6b", 16, 16, 256, 64, True, 1e4),
+        Preset("phi-2", 32, 32, 80, 32, False, 1e4),
+        Preset("phi-3-mini", 32, 32, 96, 96, False, 1e4),
+        Preset("deepseek-v3-rope", 128, 1, 64, 64, True, 1e4),
+        Preset("gpt-oss-20b", 64, 8, 64, 64, False, 1.5e5),
+        Preset("gemma-2-9b", 16, 8, 256, 256, False, 1e4),
+        Preset("stablelm-3b", 32, 32, 80, 20, False, 1e4),
+    ]
+}
+
+PREFILL_TOKENS = [128, 256, 512, 1024, 2048, 4096]
+DECODE_TOKENS = [1, 4, 16, 64, 256]
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
+MODES = ("inplace", "out", "backward")
+# Decode positions are drawn from [0, DECODE_CONTEXT): each token is the next one of its own sequence.
+DECODE_CONTEXT = 8192
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    """The command-line name of a dtype (``fp32``, ``bf16``, ...)."""
+    return {v: k for k, v in DTYPES.items()}[dt]

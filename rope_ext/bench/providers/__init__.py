@@ -1,0 +1,69 @@
+"""The provider registry: named implementations of one mode, validated and timed side by side.
+
+Adding a provider is one small function decorated with :func:`provider` in the module of its family
+(one module per peer library; see the existing ones). A builder that cannot run (library not installed,
+workload not supported) raises :class:`Skip`, and the run notes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..presets import MODES
+from ..workloads import Case
+
+__all__ = ["FAMILIES", "PROVIDERS", "Builder", "Provider", "Runner", "Skip", "flat", "provider"]
+
+
+class Skip(Exception):
+    """Raised by a provider's builder when it cannot run: not installed, or not for this workload."""
+
+
+Runner = Callable[[], tuple[Tensor, Tensor]]
+Builder = Callable[[Case], Runner]
+
+
+@dataclass
+class Provider:
+    """A named implementation of one mode.
+
+    ``build(case)`` prepares its own copies of the inputs and returns a zero-argument callable, the
+    thing that is timed; calling it returns the rotated ``(q, k)`` (for ``backward``: the gradients).
+    It raises :class:`Skip` when the provider is not available.
+    """
+
+    name: str
+    mode: str  # "inplace" | "out" | "backward"
+    build: Builder
+    baseline: bool = False  # the eager reference: speedups are relative to it
+
+
+PROVIDERS: list[Provider] = []
+
+
+def provider(name: str, mode: str, *, baseline: bool = False) -> Callable[[Builder], Builder]:
+    """Registers ``build(case) -> runner`` as provider ``name`` for ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def register(build: Builder) -> Builder:
+        PROVIDERS.append(Provider(name, mode, build, baseline))
+        return build
+
+    return register
+
+
+def flat(t: Tensor) -> Tensor:
+    """``[T, H, D]`` viewed as ``[T, H * D]`` (the layout vLLM's and FlashInfer's ops take)."""
+    return t.reshape(t.shape[0], -1)
+
+
+# One module per provider family, imported (so registered) in this order: the order of a workload's rows.
+FAMILIES = ("rope_ext", "hf", "vllm", "flashinfer", "flash_attn", "liger")
+for _family in FAMILIES:
+    importlib.import_module(f"{__name__}.{_family}")
+del _family

@@ -1,0 +1,286 @@
+"""Report: the results table, one summary line per workload, JSON, CSV and the GB/s-vs-tokens plot.
+
+Bytes counted per call (the minimum traffic of the op, the same for every provider): q and k read
+once and written once, one cos/sin row (``rotary_dim`` values of the cache dtype) and one position
+read per token. GB/s = bytes / median time.
+
+``% ceil`` is the ceiling's time divided by the provider's time (in place against the in-place stream,
+out of place and backward against clone); cos/sin and positions are not credited to the provider there.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from typing import Any
+
+__all__ = [
+    "CEILING_STYLE",
+    "CSV_FIELDS",
+    "TABLE_COLUMNS",
+    "plot",
+    "print_table",
+    "summary",
+    "table_rows",
+    "write_csv",
+    "write_json",
+]
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return ""
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    return f"{s * 1e3:.2f} ms"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+TABLE_COLUMNS = [
+    "workload",
+    "mode",
+    "provider",
+    "status",
+    "median",
+    "spread (p25-p75)",
+    "bytes",
+    "GB/s",
+    "% ceil",
+    "vs eager",
+    "x no-op",
+]
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    """The rows of the printed table, as strings."""
+    out = []
+    for r in result["rows"]:
+        wl = (
+            f"{r['preset']} {r['dtype']} {'il' if r['pairing'] == 'interleaved' else 'half'} "
+            f"{r['phase']} T={r['tokens']}"
+        )
+        status = r["status"]
+        if status == "wrong":
+            status = f"WRONG ({r['err_ulps']:.3g} ulp)"
+        elif status == "error":
+            status = f"ERROR {r.get('detail', '').split(':')[0][:28]}"
+        t = r.get("median_s")
+        spread = f"{_fmt_time(r.get('p25_s'))} - {_fmt_time(r.get('p75_s'))}" if t else ""
+        out.append(
+            [
+                wl,
+                r["mode"],
+                r["provider"],
+                status,
+                _fmt_time(t),
+                spread,
+                _fmt_bytes(r["bytes"]),
+                f"{r['gbps']:.1f}" if "gbps" in r else "",
+                f"{100 * r['frac_ceiling']:.0f}%" if "frac_ceiling" in r else "",
+                f"{r['speedup_vs_eager']:.1f}x" if "speedup_vs_eager" in r else "",
+                f"{r['x_noop_call']:.2f}" if "x_noop_call" in r else "",
+            ]
+        )
+    return out
+
+
+def print_table(result: dict[str, Any], file: Any = None) -> None:
+    """Prints the results table (rich when installed, plain text otherwise), then the notes."""
+    file = file or sys.stdout
+    rows = table_rows(result)
+    m = result["machine"]
+    head = (
+        f"rope-bench on {m['cpu']} ({m['torch_threads']} threads, ISA {m['rope_ext_cpu_isa']}"
+        + (f", GPU {m['gpu']}" if "gpu" in m else "")
+        + (f", allocator {m['cpu_allocator']}" if "cpu_allocator" in m else "")
+        + f"), torch {m['torch']}, load {', '.join(f'{x:.2f}' for x in m.get('loadavg', []))}"
+    )
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [
+            max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(TABLE_COLUMNS)
+        ]
+        print(head, file=file)
+        print("  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)), file=file)
+        for r in rows:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), file=file)
+    else:
+        console = Console(file=file, width=max(170, Console(file=file).width))
+        table = Table(title=head, title_justify="left", show_lines=False)
+        for c in TABLE_COLUMNS:
+            table.add_column(
+                c, justify="right" if c not in ("workload", "mode", "provider", "status") else "left"
+            )
+        prev = None
+        for r in rows:
+            if prev is not None and r[0] != prev:
+                table.add_section()
+            prev = r[0]
+            style = "red" if r[3].startswith(("WRONG", "ERROR")) else ("dim" if r[1] == "ceiling" else None)
+            table.add_row(*r, style=style)
+        console.print(table)
+    print(
+        "bytes: q and k read + written once, cos/sin row + position read once per token; "
+        "% ceil: ceiling time / provider time on the same q, k bytes (in place vs 'stream in-place', "
+        "out/backward vs 'clone'); vs eager: hf-eager time / time; x no-op: time / registered no-op call.",
+        file=file,
+    )
+    for line in summary(result):
+        print(line, file=file)
+    for n in result["notes"]:
+        print(f"note: {n}", file=file)
+
+
+def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
+    """One line per workload: how provider ``name`` stands against the ceilings and the references."""
+    lines = []
+    by_wl: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in result["rows"]:
+        key = (r["preset"], r["dtype"], r["pairing"], r["phase"], r["tokens"])
+        by_wl.setdefault(key, {})[f"{r['provider']}|{r['mode']}"] = r
+    for (preset, dt, pairing, phase, tokens), rows in by_wl.items():
+        parts = []
+        ip, out, bwd = rows.get(f"{name}|inplace"), rows.get(f"{name}|out"), rows.get(f"{name}|backward")
+        if ip and "frac_ceiling" in ip:
+            parts.append(
+                f"in place {100 * ip['frac_ceiling']:.0f}% of stream (best runs "
+                f"{100 * ip['frac_ceiling_min']:.0f}%)"
+            )
+        if out and "frac_ceiling" in out:
+            parts.append(
+                f"out of place {100 * out['frac_ceiling']:.0f}% of clone (best runs "
+                f"{100 * out['frac_ceiling_min']:.0f}%)"
+            )
+            for ref in ("hf-compile", "hf-eager"):
+                rr = rows.get(f"{ref}|out")
+                if rr and rr.get("median_s"):
+                    parts.append(f"{rr['median_s'] / out['median_s']:.1f}x {ref}")
+        if bwd and "x_forward" in bwd:
+            parts.append(f"backward {bwd['x_forward']:.2f}x forward")
+        for r in (ip, out):
+            if r and "x_noop_call" in r and phase == "decode":
+                parts.append(f"{r['mode']} call {r['x_noop_call']:.2f}x no-op")
+        if parts:
+            lines.append(f"{name} {preset} {dt} {pairing} {phase} T={tokens}: " + ", ".join(parts))
+    return lines
+
+
+CSV_FIELDS = [
+    "preset",
+    "q_heads",
+    "kv_heads",
+    "head_dim",
+    "rotary_dim",
+    "pairing",
+    "dtype",
+    "phase",
+    "tokens",
+    "mode",
+    "provider",
+    "kind",
+    "status",
+    "err_ulps",
+    "median_s",
+    "p25_s",
+    "p75_s",
+    "min_s",
+    "n",
+    "bytes",
+    "gbps",
+    "ceiling",
+    "frac_ceiling",
+    "frac_ceiling_min",
+    "speedup_vs_eager",
+    "x_noop_call",
+    "x_forward",
+    "input_sets",
+    "detail",
+]
+
+
+def write_csv(result: dict[str, Any], path: str) -> None:
+    """One line per row of ``result``, the columns of :data:`CSV_FIELDS`."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in result["rows"]:
+            w.writerow(r)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    """The whole ``result`` (machine, config, command, rows, notes) as JSON."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+# Line style and colour of each ceiling in the plot.
+CEILING_STYLE = {"stream in-place": ("--", "black"), "clone": ("--", "gray"), "copy into": (":", "black")}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """GB/s against tokens, one line per provider and mode, dashed lines for the ceilings.
+
+    One panel per (preset, dtype, pairing).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        if "gbps" in r:
+            groups.setdefault((r["preset"], r["dtype"], r["pairing"]), []).append(r)
+    n = max(len(groups), 1)
+    cols = min(n, 2)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols, 3.8 * nrows), squeeze=False)
+    for ax, ((preset, dt, pairing), rs) in zip(axes.flat, sorted(groups.items()), strict=False):
+        lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in rs:
+            if r["provider"] == "no-op call":
+                continue
+            lines.setdefault((r["provider"], r["mode"]), []).append((r["tokens"], r["gbps"]))
+        for (name, mode), pts in sorted(lines.items(), key=lambda kv: (kv[0][1] == "ceiling", kv[0])):
+            pts.sort()
+            xs, ys = zip(*pts, strict=True)
+            if mode == "ceiling":
+                style = CEILING_STYLE.get(name, ("--", "gray"))
+                ax.plot(xs, ys, style[0], color=style[1], lw=1.1, label=f"ceiling: {name}")
+            else:
+                ax.plot(xs, ys, "o-", ms=3, lw=1.3, label=f"{name} ({mode})")
+        cold = [r["tokens"] for r in rs if r.get("input_sets", 1) > 1]
+        if cold:
+            ax.axvline(min(cold), color="0.6", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{preset} {dt} {pairing}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    handles: dict[str, Any] = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    for ax in list(axes.flat)[len(groups) :]:
+        ax.axis("off")
+    m = result["machine"]
+    fig.suptitle(
+        f"rope-bench: {m.get('gpu', m['cpu'])}, {m['torch_threads']} threads "
+        "(dotted: from here on, inputs rotated so calls run from memory, not cache)",
+        fontsize=9,
+    )
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.09 if nrows == 1 else 0.05, 1, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,39 @@
+"""Drop-in adapters: HF transformers, vLLM-style servers, and two well-known RoPE code forms.
+
+One submodule per source, every public name re-exported here (``from rope_ext.compat import X``):
+
+* :mod:`.hf` - :func:`apply_rotary_pos_emb`, transformers' function (``q * cos + rotate_half(q) * sin``),
+  same arguments, broadcasting, output dtypes and gradients, computed by rope_ext's op;
+  :func:`patch_transformers` / :func:`unpatch_transformers` route a loaded Llama, Mistral or Qwen2
+  model's RoPE through rope_ext (via :class:`HFRotaryAdapter`; :data:`SUPPORTED_MODEL_TYPES`).
+* :mod:`.vllm` - :func:`rotary_embedding`, vLLM's in-place ``rotary_embedding(positions, query, key,
+  head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors.
+* :mod:`.labml` - :class:`RotaryPositionalEmbeddings`, seq-first ``[seq, batch, heads, features]`` module
+  rotating the first ``d`` features, half-split pairing (the layout of labml's annotated implementation).
+* :mod:`.meta` - :func:`apply_rotary_emb` / :func:`precompute_freqs_cis`, Meta's Llama complex form.
+"""
+
+from __future__ import annotations
+
+from .hf import (
+    SUPPORTED_MODEL_TYPES,
+    HFRotaryAdapter,
+    apply_rotary_pos_emb,
+    patch_transformers,
+    unpatch_transformers,
+)
+from .labml import RotaryPositionalEmbeddings
+from .meta import apply_rotary_emb, precompute_freqs_cis
+from .vllm import rotary_embedding
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "patch_transformers",
+    "unpatch_transformers",
+    "HFRotaryAdapter",
+    "SUPPORTED_MODEL_TYPES",
+    "rotary_embedding",
+    "RotaryPositionalEmbeddings",
+    "apply_rotary_emb",
+    "precompute_freqs_cis",
+]

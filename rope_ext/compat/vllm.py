@@ -1,0 +1,48 @@
+"""vLLM adapter: the in-place ``rotary_embedding`` custom op on flattened ``[num_tokens, num_heads *
+head_size]`` tensors (``cos_sin_cache`` in vLLM's layout), computed by rope_ext's in-place op."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops import apply_rotary_qk_
+
+__all__ = ["rotary_embedding"]
+
+
+def rotary_embedding(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor | None,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox: bool,
+) -> None:
+    """vLLM's ``rotary_embedding`` custom op: rotate ``query`` and ``key`` in place.
+
+    ``positions`` int64/int32 ``[num_tokens]`` (or ``[batch, seq]``); ``query`` ``[num_tokens, num_heads *
+    head_size]`` (or ``[num_tokens, num_heads, head_size]``, or with ``[batch, seq]`` leading dims), token
+    stride free (a slice of a packed QKV tensor works), last dim contiguous; ``key`` likewise with its own
+    head count, or ``None``. ``cos_sin_cache`` ``[max_position, rot_dim]`` (cos half, sin half); the first
+    ``rot_dim <= head_size`` features of each head rotate, the rest are untouched. ``is_neox``: half-split
+    pairs (GPT-NeoX) if true, interleaved (GPT-J) if false. A cache in a dtype other than float32 and
+    ``query``'s is used as float32. Returns ``None``.
+    """
+    if cos_sin_cache.dtype not in (torch.float32, query.dtype):
+        cos_sin_cache = cos_sin_cache.float()
+    pdim = positions.dim()
+
+    def heads(x: Tensor) -> Tensor:
+        if x.dim() == pdim + 1:
+            return x.unflatten(-1, (-1, head_size))
+        if x.dim() == pdim + 2 and x.shape[-1] == head_size:
+            return x
+        raise ValueError(
+            f"expected [*positions.shape, num_heads * {head_size}] or [..., num_heads, {head_size}], "
+            f"got {tuple(x.shape)} with positions {tuple(positions.shape)}"
+        )
+
+    q = heads(query)
+    k = heads(key) if key is not None else None
+    apply_rotary_qk_(q, k, positions[..., None], cos_sin_cache, interleaved=not is_neox)

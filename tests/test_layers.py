@@ -1,0 +1,139 @@
+"""The layers depend one way (kernels <- bindings <- Python), and the AVX2 build cannot leak into the
+portable path.
+
+* ``csrc/rope`` (kernels) includes nothing from torch or ``csrc/ops``, and compiles with a plain C++
+  compiler and no torch headers; ``csrc/ops`` includes only ``csrc/rope`` headers, its own and torch's;
+  ``registration.cpp`` (the schemas) includes no kernel header; only ``rope_ext/ops.py`` imports ``_C``.
+* ``cpu_avx2.cpp`` is compiled for AVX2/FMA/F16C. Every function it emits with those instructions must be
+  its own (``rope::avx2::...`` or its entry point): an AVX2 copy of a shared inline function (a weak
+  symbol) may be the one the linker keeps for every caller, and a CPU without AVX2 then dies with SIGILL.
+  Checked in the objects at -O0 (every inline function emitted) and -O3, and in the built library.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import rope_ext
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "csrc" / "rope"
+BINDINGS = ROOT / "csrc" / "ops"
+STD_OR_CUDA = re.compile(r"^[a-z_]+(\.h)?$|^cuda[a-z_]*\.h$|^immintrin\.h$")
+
+
+def _includes(path: Path) -> list[str]:
+    return re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', path.read_text(), re.M)
+
+
+def _sources(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix in (".h", ".cpp", ".cu", ".cuh"))
+
+
+def test_kernel_layer_includes_only_itself_the_standard_library_and_cuda():
+    own = {p.name for p in _sources(KERNELS)}
+    for src in _sources(KERNELS):
+        for inc in _includes(src):
+            assert inc in own or STD_OR_CUDA.match(inc), f"{src.name} includes {inc}"
+
+
+def test_binding_layer_includes_only_kernel_headers_its_own_and_torch():
+    own = {p.name for p in _sources(BINDINGS)}
+    kernel_headers = {f"../rope/{p.name}" for p in _sources(KERNELS) if p.suffix in (".h", ".cuh")}
+    for src in _sources(BINDINGS):
+        for inc in _includes(src):
+            ok = (
+                inc in own
+                or inc in kernel_headers
+                or inc.split("/")[0] in ("torch", "ATen", "c10")
+                or inc == "Python.h"
+                or STD_OR_CUDA.match(inc)
+            )
+            assert ok, f"{src.name} includes {inc}"
+    assert not [i for i in _includes(BINDINGS / "registration.cpp") if i.startswith("../rope/")]
+
+
+def test_python_package_imports_the_extension_in_one_place():
+    pattern = re.compile(r"^\s*from \. import _C|import rope_ext\._C|from rope_ext import _C", re.M)
+    importers = [
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "rope_ext").rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
+    assert importers == ["rope_ext/ops.py"]
+
+
+needs_x86_gcc = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not shutil.which("g++") or not shutil.which("objdump"),
+    reason="needs x86-64, g++ and objdump",
+)
+
+
+def _vex_functions(path: Path) -> dict[str, str]:
+    """Function -> first AVX (VEX/EVEX-encoded or ymm/zmm) instruction, for every function in `path`."""
+    asm = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    found: dict[str, str] = {}
+    name = None
+    for line in asm.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.match(r"^\s+[0-9a-f]+:\s+(\S+)\s*(.*)$", line)
+        if m and name is not None:
+            mnemonic, operands = m.groups()
+            if mnemonic.startswith("v") or "%ymm" in operands or "%zmm" in operands:
+                found.setdefault(name, mnemonic)
+    return found
+
+
+def _leaks(path: Path) -> dict[str, str]:
+    """AVX code in `path` that does not belong to the AVX2 build."""
+    return {
+        f: insn
+        for f, insn in _vex_functions(path).items()
+        if "rope::avx2::" not in f and "rope::cpu::detail::rotate_tokens_avx2" not in f
+    }
+
+
+def test_kernel_layer_compiles_without_torch(tmp_path):
+    if not shutil.which("g++"):
+        pytest.skip("no g++")
+    for src in sorted(KERNELS.glob("*.cpp")):
+        subprocess.run(
+            ["g++", "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", f"-I{KERNELS}", str(src)],
+            check=True,
+            capture_output=True,
+        )
+
+
+@needs_x86_gcc
+@pytest.mark.parametrize("opt", ["-O0", "-O3"])
+def test_avx2_build_emits_no_avx_copy_of_shared_code(tmp_path, opt):
+    objs = {}
+    for name in ("cpu_kernel", "cpu_avx2"):
+        objs[name] = tmp_path / f"{name}.o"
+        subprocess.run(
+            ["g++", "-std=c++20", opt, "-fPIC", "-ffp-contract=off", "-c", str(KERNELS / f"{name}.cpp")]
+            + ["-o", str(objs[name])],
+            check=True,
+            capture_output=True,
+        )
+    avx = _vex_functions(objs["cpu_avx2"])
+    assert any("rope::avx2::" in f for f in avx), "the AVX2 build has no AVX2 code"
+    assert not _leaks(objs["cpu_avx2"]), f"AVX code outside rope::avx2: {sorted(_leaks(objs['cpu_avx2']))}"
+    assert not _vex_functions(objs["cpu_kernel"]), "the portable kernel contains AVX code"
+
+
+@needs_x86_gcc
+def test_built_library_keeps_avx_code_inside_the_avx2_build():
+    leaks = _leaks(Path(rope_ext._C.__file__))
+    assert not leaks, f"AVX code outside rope::avx2 in the op library: {sorted(leaks)[:10]}"
