@@ -29,7 +29,7 @@ __all__ = ["DeviceTables", "target_device"]
 def target_device(fn: Callable[[Tensor], Tensor], current: torch.device) -> torch.device:
     """The device ``module._apply(fn)`` moves tensors to (probed on an empty tensor on ``current``)."""
     try:
-        return fn(torch.empty(0, device=current)).device
+        return fn(torch.empty(0, device=current, dtype=torch.float32)).device
     except Exception:  # fn that does not accept an arbitrary tensor: keep the device
         return current
 

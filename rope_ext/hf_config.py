@@ -104,7 +104,8 @@ def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int,
         top = get("original_max_position_embeddings")
         if top is not None:
             scaling["original_max_position_embeddings"] = top
-        elif scaling.get("original_max_position_embeddings") is None and mpe is not None:
+        elif "original_max_position_embeddings" not in scaling and mpe is not None:
+            # transformers' setdefault: an explicit None stays (and is rejected, as transformers does)
             scaling["original_max_position_embeddings"] = mpe
     if rope_type == "dynamic" and mpe is not None:
         scaling["original_max_position_embeddings"] = mpe  # transformers' dynamic NTK trained length

@@ -36,13 +36,16 @@ __all__ = [
 
 
 def inv_freq(rotary_dim: int, base: float = 10000.0) -> Tensor:
-    """``base ** (-2j / rotary_dim)`` for ``j < rotary_dim / 2``, float64 ``[rotary_dim / 2]``."""
-    return base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    """``base ** (-2j / rotary_dim)`` for ``j < rotary_dim / 2``, float64 ``[rotary_dim / 2]`` on the CPU
+    (whatever the default device)."""
+    return base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim)
 
 
 def cos_sin_table(n_positions: int, rotary_dim: int, base: float = 10000.0) -> Tensor:
-    """Float64 ``[n_positions, rotary_dim]``: ``cos(p inv_j)`` for ``j < rotary_dim/2``, then ``sin``."""
-    angles = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv_freq(rotary_dim, base)[None, :]
+    """Float64 ``[n_positions, rotary_dim]`` on the CPU: ``cos(p inv_j)`` for ``j < rotary_dim/2``, then
+    ``sin``."""
+    p = torch.arange(n_positions, dtype=torch.float64, device="cpu")
+    angles = p[:, None] * inv_freq(rotary_dim, base)[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -82,8 +85,8 @@ def rotary_matrix(
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse)
-    R = torch.zeros(*x.shape[:-1], r, r, dtype=torch.float64)
-    j = torch.arange(r // 2)
+    R = torch.zeros(*x.shape[:-1], r, r, dtype=torch.float64, device=x.device)
+    j = torch.arange(r // 2, device=x.device)
     i1, i2 = (2 * j, 2 * j + 1) if interleaved else (j, j + r // 2)
     # Row-vector convention: y[i1] = x[i1] c - x[i2] s, y[i2] = x[i1] s + x[i2] c.
     R[..., i1, i1] = c

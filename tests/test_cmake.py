@@ -47,6 +47,8 @@ inv = 10000 ** -(torch.arange(0, 32, 2, dtype=torch.float64) / 32)
 ang = torch.arange(5, dtype=torch.float64)[:, None] * inv
 cs = torch.cat([ang.cos(), ang.sin()], -1).float()
 torch.save(torch.ops.rope_ext.rotary(x, pos, cs, False, False), {str(tmp_path / "out.pt")!r})
+# An ordinary build (no ROPE_EXT_TESTING) ships no test-only op.
+assert not hasattr(torch.ops.rope_ext, "_cuda_emulated")
 """
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     out = torch.load(tmp_path / "out.pt")

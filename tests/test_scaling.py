@@ -1,6 +1,6 @@
 """Scaling variants against the installed transformers (real components: its rope init functions, its
-rotary embedding modules and its apply functions), for every model of shared/REFERENCES.md section 4
-and the edge cases, plus the worked values of section 3.
+rotary embedding modules and its apply functions), for the rope settings of the models in MODELS (from
+their published Hugging Face configs) and the edge cases, plus worked yarn correction ranges.
 
 Tolerances are derived from transformers' float32 arithmetic, not guessed:
 
@@ -357,7 +357,7 @@ def test_dynamic_keyed_on_largest_requested_length_not_capacity():
 
 
 WORKED = [
-    # name, low, high (REFERENCES.md section 3)
+    # name, low, high: yarn's correction range of pairs, worked out by hand from the config
     ("deepseek_v3", 10, 23),
     ("qwen2.5_7b_yarn", 23, 40),
 ]

@@ -10,7 +10,11 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
   head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors.
 * :mod:`.labml` - :class:`RotaryPositionalEmbeddings`, seq-first ``[seq, batch, heads, features]`` module
   rotating the first ``d`` features, half-split pairing (the layout of labml's annotated implementation).
-* :mod:`.meta` - :func:`apply_rotary_emb` / :func:`precompute_freqs_cis`, Meta's Llama complex form.
+* :mod:`.meta` - :func:`apply_rotary_emb` / :func:`precompute_freqs_cis`, Meta's Llama complex form
+  (also transformers' Llama 4 per-batch ``freqs_cis``).
+* :mod:`.torchtune` - ``RotaryPositionalEmbeddings``, torchtune's module (interleaved pairs,
+  ``[b, s, n_h, h_d]``, ``forward(x, *, input_pos=None)``, ``cache`` / ``theta`` buffers, ``rope_init``),
+  exported here as :class:`TorchtuneRotaryPositionalEmbeddings`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .hf import (
 )
 from .labml import RotaryPositionalEmbeddings
 from .meta import apply_rotary_emb, precompute_freqs_cis
+from .torchtune import RotaryPositionalEmbeddings as TorchtuneRotaryPositionalEmbeddings
 from .vllm import rotary_embedding
 
 __all__ = [
@@ -36,4 +41,5 @@ __all__ = [
     "RotaryPositionalEmbeddings",
     "apply_rotary_emb",
     "precompute_freqs_cis",
+    "TorchtuneRotaryPositionalEmbeddings",
 ]

@@ -179,6 +179,25 @@ class HFRotaryAdapter(nn.Module):
         self._device_tables.follow(fn)
         return self
 
+    def reset_parameters(self) -> None:
+        """Rebuild the kept original module's buffers (``inv_freq``, ...) after ``to_empty``.
+
+        The adapter has no buffers of its own (its tables come from its caches, on the CPU, and follow
+        the device), but it moves the original it keeps for :func:`unpatch_transformers`, so
+        ``to_empty`` leaves that module's buffers uninitialised. They are rebuilt from a fresh original
+        constructed on the CPU from its config (torchtune / FSDP2's ``reset_parameters`` convention).
+        """
+        orig = self._original
+        if next(orig.buffers(), None) is None:
+            return
+        with torch.device("cpu"):
+            fresh = dict(type(orig)(getattr(orig, "config", self.config)).named_buffers())
+        with torch.no_grad():
+            for name, buf in orig.named_buffers():
+                new = fresh.get(name)
+                if new is not None and new.shape == buf.shape:
+                    buf.copy_(new)
+
     def _eager_update(self, position_ids: Tensor, device: torch.device) -> None:
         if position_ids.numel() == 0:
             return

@@ -1,5 +1,6 @@
 """Meta's Llama complex form: :func:`precompute_freqs_cis` (complex64 table from float64 angles) and
-:func:`apply_rotary_emb` (pairs ``(2j, 2j+1)`` as complex numbers), computed by rope_ext's op."""
+:func:`apply_rotary_emb` (pairs ``(2j, 2j+1)`` as complex numbers; Meta's ``[seq, head_dim / 2]`` and
+transformers' Llama 4 per-batch ``[batch, seq, head_dim / 2]`` freqs_cis), computed by rope_ext's op."""
 
 from __future__ import annotations
 
@@ -20,20 +21,50 @@ def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> Tensor:
     return torch.complex(t[:, :h].contiguous(), t[:, h:].contiguous())
 
 
+def _freqs_4d(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> Tensor:
+    """``freqs_cis`` as ``[batch, seq, heads, head_dim / 2]`` (each of the first three 1 or the inputs' size),
+    from any shape Meta's or transformers' form takes; ``ValueError`` naming the shapes otherwise."""
+    d = xq.shape[-1]
+    f = freqs_cis
+    if f.dim() == 2:  # Meta: [seq, head_dim / 2], the same rows for every sequence of the batch
+        f = f[None, :, None, :]
+    elif f.dim() == 3:  # transformers' Llama 4: [batch, seq, head_dim / 2] (per-sequence position_ids)
+        f = f[:, :, None, :]
+    ok = (
+        xq.dim() == 4
+        and xk.dim() == 4
+        and d % 2 == 0
+        and xk.shape[-1] == d
+        and freqs_cis.is_complex()
+        and f.dim() == 4
+        and f.shape[-1] == d // 2
+        and all(f.shape[i] == 1 or f.shape[i] == xq.shape[i] == xk.shape[i] for i in range(3))
+    )
+    if not ok:
+        raise ValueError(
+            "expected xq, xk [batch, seq, heads, head_dim] (even head_dim) and complex freqs_cis "
+            "[seq, head_dim/2], [batch, seq, head_dim/2] or [batch, seq, heads, head_dim/2] (each size but "
+            f"the last 1 or the inputs'), got {tuple(xq.shape)}, {tuple(xk.shape)}, "
+            f"{tuple(freqs_cis.shape)} {freqs_cis.dtype}"
+        )
+    return f
+
+
 def apply_rotary_emb(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
     """Meta's ``apply_rotary_emb``: pairs ``(2j, 2j+1)`` of ``xq`` ``[batch, seq, heads, head_dim]`` (and
-    ``xk``, its own head count) as complex numbers times ``freqs_cis`` ``[seq, head_dim / 2]`` (complex).
-    Float32 arithmetic, outputs in the inputs' dtypes (``type_as``); differentiable in ``xq`` and ``xk``
-    (and ``freqs_cis`` when it requires grad, through the complex formula)."""
-    s, d = xq.shape[1], xq.shape[-1]
-    if xq.dim() != 4 or xk.dim() != 4 or tuple(freqs_cis.shape) != (s, d // 2) or not freqs_cis.is_complex():
-        raise ValueError(
-            "expected xq, xk [batch, seq, heads, head_dim] and complex freqs_cis "
-            f"[seq, head_dim/2] = {(s, d // 2)}, "
-            f"got {tuple(xq.shape)}, {tuple(xk.shape)}, {tuple(freqs_cis.shape)}"
-        )
+    ``xk``, its own head count) as complex numbers times ``freqs_cis`` (complex), which is
+
+    * ``[seq, head_dim / 2]`` (Meta's Llama: one row per token, shared by the batch),
+    * ``[batch, seq, head_dim / 2]`` (transformers' Llama 4: a row per sequence and token, from
+      ``position_ids``; its rows may carry the attention scaling, ``|freqs_cis| != 1``), or
+    * ``[batch, seq, heads, head_dim / 2]``,
+
+    each size but the last either the inputs' or 1 (broadcast: ``[1, seq, 1, head_dim / 2]``,
+    ``[1, seq, head_dim / 2]``, ...). Float32 arithmetic (float64 when xq, xk are), outputs in the inputs'
+    dtypes (``type_as``); differentiable in ``xq`` and ``xk`` (and ``freqs_cis`` when it requires grad,
+    through the complex formula)."""
+    f = _freqs_4d(xq, xk, freqs_cis)
     if torch.is_grad_enabled() and freqs_cis.requires_grad:
-        f = freqs_cis[None, :, None, :]
         oq = torch.view_as_real(torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2)) * f).flatten(
             3
         )
@@ -42,8 +73,10 @@ def apply_rotary_emb(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor,
         )
         return oq.type_as(xq), ok.type_as(xk)
     tdtype = torch.float64 if xq.dtype == torch.float64 and xk.dtype == torch.float64 else torch.float32
-    table = torch.cat([freqs_cis.real, freqs_cis.imag], dim=-1).to(tdtype)
-    positions = torch.arange(s, device=xq.device)[:, None]
+    # One table row per freqs_cis row; positions [b, s, h] (f's sizes) pick them, broadcast by the op.
+    rows = torch.view_as_real(f.reshape(-1, f.shape[-1]).resolve_conj())  # [n, head_dim / 2, (re, im)]
+    table = rows.transpose(-1, -2).reshape(rows.shape[0], -1).to(tdtype)  # cos half, then sin half
+    positions = torch.arange(rows.shape[0], device=xq.device).view(f.shape[:3])
     q = xq if xq.stride(-1) == 1 else xq.contiguous()
     k = xk if xk.stride(-1) == 1 else xk.contiguous()
     return apply_rotary_qk(q, k, positions, table, interleaved=True)
