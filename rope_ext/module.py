@@ -37,8 +37,8 @@ class RotaryEmbedding(nn.Module):
       or any other shape that broadcasts to ``q.shape[:-1]``. Positions are not scanned (no device
       sync): they must be below the table's capacity, ``max_positions`` or what ``ensure`` made
       available;
-    * ``inplace=True`` rotates ``q`` and ``k`` in their own storage (no allocation, not differentiable) and
-      returns them.
+    * ``inplace=True`` rotates ``q`` and ``k`` in their own storage (no output allocation; differentiable
+      like any in-place op) and returns them.
 
     The cos/sin table stays float32 (float64 angles) whatever ``module.to(dtype)`` does; ``module.to(device)``
     moves it (one copy per device). Size the table up front (``max_positions``) before ``torch.compile``

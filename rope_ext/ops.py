@@ -95,14 +95,29 @@ def apply_rotary_qk_(
 
     Every argument is checked before anything is written: on error q and k are unchanged.
     q and k must not overlap in memory, nor have elements that alias each other (expanded views).
-    Not differentiable (use :func:`apply_rotary_qk` in training).
+    Differentiable like any in-place op: when q or k requires grad, autograd records the rotation (its
+    backward is the inverse rotation of the incoming gradient), also for views of a packed QKV tensor and
+    under ``torch.compile``; a leaf that requires grad (or a view of one) raises PyTorch's usual error.
     """
     _require_tensor("q", q)
     _require_tensor("k", k, optional=True)
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
     _pre_check(positions, cos_sin)
-    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False)
+    targets = [t for t in (q, k) if t is not None]
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in targets)
+    if not tracked:
+        _rotate_in_place(q, k, positions, cos_sin, interleaved)
+        return
+    for t in targets:
+        _check_inplace_allowed(t)
+    # One launch rotates both (every check before the first write), on aliases autograd does not see;
+    # then each tensor gets the rotation's node in its history, as an in-place op would.
+    with torch.no_grad():
+        _rotate_in_place(q.detach(), None if k is None else k.detach(), positions, cos_sin, interleaved)
+    for t in targets:
+        if t.requires_grad:
+            _RotatedInPlace.apply(t, positions, cos_sin, interleaved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +207,59 @@ def _rotary_qk_backward(ctx, grad_q, grad_k):
         dq = None if grad_q is None else _ops.rotary.default(_last_dim_contiguous(grad_q), *args)
         dk = None if grad_k is None else _ops.rotary.default(_last_dim_contiguous(grad_k), *args)
     return dq, dk, None, None, None, None
+
+
+def _rotate_in_place(
+    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool
+) -> None:
+    """``rotary_qk_``; under ``torch.compile``, views go through the functional op and ``copy_``.
+
+    Inductor (torch 2.14.1, ``dynamic=True``) hands a custom op's mutated view argument to the kernel
+    with its storage offset dropped, so ``rotary_qk_(qkv[:, :, 1], ...)`` would rotate ``qkv[:, :, 0]``
+    (tests/test_compile_views.py has the case and a minimal reproduction without rope_ext). The
+    functional op plus ``copy_`` into the view is traced correctly. On that path q and k that overlap
+    are not detected (eager calls raise): pass disjoint views.
+    """
+    if torch.compiler.is_compiling() and (q._base is not None or (k is not None and k._base is not None)):
+        if k is None:
+            q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False))
+        else:
+            q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False)
+            q.copy_(q_rot)
+            k.copy_(k_rot)
+        return
+    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False)
+
+
+def _check_inplace_allowed(t: Tensor) -> None:
+    """PyTorch's own errors for an in-place op on a leaf that requires grad (or a view of one)."""
+    if not t.requires_grad:
+        return
+    if t.is_leaf:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    base = t._base
+    if base is not None and base.is_leaf and base.requires_grad:
+        raise RuntimeError(
+            "a view of a leaf Variable that requires grad is being used in an in-place operation."
+        )
+
+
+class _RotatedInPlace(torch.autograd.Function):
+    """Autograd node of an in-place rotation already applied to ``x``: marks ``x`` modified in place;
+    backward rotates the incoming gradient by the inverse angle (the same kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos_sin, interleaved):
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(positions, cos_sin)
+        ctx.interleaved = interleaved
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, cos_sin = ctx.saved_tensors
+        dx = _ops.rotary.default(_last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, True)
+        return dx, None, None, None
 
 
 torch.library.register_autograd("rope_ext::rotary", _rotary_backward, setup_context=_setup)
