@@ -104,11 +104,10 @@ def apply_rotary_qk_(
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
     _pre_check(positions, cos_sin)
-    targets = [t for t in (q, k) if t is not None]
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in targets)
-    if not tracked:
+    if not (q.requires_grad or (k is not None and k.requires_grad)) or not torch.is_grad_enabled():
         _rotate_in_place(q, k, positions, cos_sin, interleaved)
         return
+    targets = [t for t in (q, k) if t is not None]
     for t in targets:
         _check_inplace_allowed(t)
     # One launch rotates both (every check before the first write), on aliases autograd does not see;
