@@ -110,6 +110,10 @@ def apply_rotary_qk_(
     targets = [t for t in (q, k) if t is not None]
     for t in targets:
         _check_inplace_allowed(t)
+    if torch.compiler.is_compiling():
+        # Traced: the differentiable functional op and copy_ (AOTAutograd reinplaces where it can).
+        _copy_rotated(q, k, positions, cos_sin, interleaved)
+        return
     # One launch rotates both (every check before the first write), on aliases autograd does not see;
     # then each tensor gets the rotation's node in its history, as an in-place op would.
     with torch.no_grad():
@@ -220,14 +224,19 @@ def _rotate_in_place(
     are not detected (eager calls raise): pass disjoint views.
     """
     if torch.compiler.is_compiling() and (q._base is not None or (k is not None and k._base is not None)):
-        if k is None:
-            q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False))
-        else:
-            q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False)
-            q.copy_(q_rot)
-            k.copy_(k_rot)
+        _copy_rotated(q, k, positions, cos_sin, interleaved)
         return
     _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False)
+
+
+def _copy_rotated(q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool) -> None:
+    """The in-place rotation as the functional op plus ``copy_`` (both differentiable)."""
+    if k is None:
+        q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False))
+    else:
+        q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False)
+        q.copy_(q_rot)
+        k.copy_(k_rot)
 
 
 def _check_inplace_allowed(t: Tensor) -> None:

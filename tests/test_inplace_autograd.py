@@ -89,9 +89,11 @@ def test_only_k_requires_grad():
     assert torch.allclose(kl.grad, kl2.grad, atol=1e-12)
 
 
-def test_compiled_fullgraph_gradients_match_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_fullgraph_gradients_match_eager(dynamic):
+    torch._dynamo.reset()
     w, x, weights, positions, cs = _setup(torch.float32)
-    compiled = torch.compile(_loss_inplace, fullgraph=True)
+    compiled = torch.compile(_loss_inplace, fullgraph=True, dynamic=dynamic)
     (gc,) = torch.autograd.grad(compiled(w, x, weights, positions, cs), w)
     (ge,) = torch.autograd.grad(_loss_out_of_place(w, x, weights, positions, cs), w)
     assert torch.allclose(gc, ge, rtol=1e-5, atol=1e-5 * ge.abs().max().item())
