@@ -3,6 +3,8 @@
 from . import compat, reference, scaling
 from .cache import RopeCache
 from .module import RotaryEmbedding
+from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
+from .ops import _set_cpu_isa as _set_cpu_isa
 from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_, set_position_checks
 
 __all__ = [

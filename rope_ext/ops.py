@@ -8,6 +8,8 @@ Arithmetic is float32 (float64 for float64 inputs); outputs have x's dtype.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -17,6 +19,36 @@ __all__ = ["apply_rotary", "apply_rotary_qk", "apply_rotary_qk_", "set_position_
 
 _ops = torch.ops.rope_ext
 _check_positions_on_device = False
+
+# Instruction sets of the CPU kernel, lowest first within each architecture (csrc/rope/cpu.h).
+CPU_ISAS = ("scalar", "avx2", "avx512", "avx512_bf16", "neon")
+_isa_env = os.environ.get("ROPE_EXT_CPU_ISA")
+if _isa_env and _isa_env not in CPU_ISAS:
+    raise ValueError(f"ROPE_EXT_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {_isa_env!r}")
+
+
+def _cpu_isa() -> str:
+    """The CPU kernel's instruction set in this process: one of ``CPU_ISAS``.
+
+    The best set this CPU supports, chosen at the first CPU call; the environment variable
+    ``ROPE_EXT_CPU_ISA`` caps it (the best supported set no higher than the one named, in the
+    order scalar < avx2 = neon < avx512 < avx512_bf16).
+    """
+    return str(_ops._cpu_isa())
+
+
+def _set_cpu_isa(name: str) -> str:
+    """Use the CPU instruction set ``name`` for calls that start from now on; returns the previous one.
+
+    For tests and benchmarks that compare the sets in one process. Raises ``ValueError`` when
+    ``name`` is not one of ``CPU_ISAS`` or this CPU does not run it.
+    """
+    if name not in CPU_ISAS:
+        raise ValueError(f"name must be one of {', '.join(CPU_ISAS)}, got {name!r}")
+    previous = _cpu_isa()
+    if not _ops._set_cpu_isa(name):
+        raise ValueError(f"this CPU does not run the {name} kernel (cpu ISA in use: {previous})")
+    return previous
 
 
 def set_position_checks(enabled: bool) -> None:

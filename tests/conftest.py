@@ -5,10 +5,27 @@ Shared helpers (dtypes, the accuracy contract, capability flags) live in _helper
 
 from __future__ import annotations
 
+import os
+
 import _strategies  # noqa: F401  (registers the hypothesis profiles ci and long)
 import pytest
 import torch
 from _helpers import HAS_CUDA
+
+import rope_ext
+
+
+def pytest_sessionstart(session):
+    # test_cpu_isa.py runs the CPU matrix once per instruction set, in a child pytest that must use it.
+    want = os.environ.get("ROPE_EXT_EXPECT_CPU_ISA")
+    if want and rope_ext._cpu_isa() != want:
+        pytest.exit(
+            f"ROPE_EXT_EXPECT_CPU_ISA={want} but the CPU kernel runs {rope_ext._cpu_isa()}", returncode=3
+        )
+
+
+def pytest_report_header(config):
+    return f"rope_ext CPU kernel: {rope_ext._cpu_isa()}"
 
 
 @pytest.fixture(

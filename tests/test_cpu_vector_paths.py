@@ -1,5 +1,6 @@
-"""The CPU kernel's vector paths (16-lane bf16, 8-lane fp32/fp16, scalar tails, strided heads) against
-the float64 reference and against bit-exact scalar rounding."""
+"""The CPU kernel's vector paths (32- and 16-lane bf16, 16- and 8-lane fp32/fp16, masked and scalar tails,
+strided heads) against the float64 reference and against bit-exact scalar rounding. test_cpu_isa.py runs
+this file once per instruction set of the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from rope_ext import reference
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (96, 96), (80, 40), (256, 64), (36, 36), (6, 2)])
+# Whole vectors of 8, 16 and 32 lanes, and tails of 1, 2, 4, 15 pairs (masked AVX-512, scalar AVX2/NEON).
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim",
+    [(128, 128), (96, 96), (80, 40), (256, 64), (36, 36), (6, 2), (34, 34), (62, 62), (130, 130), (160, 160)],
+)
 def test_vector_paths_match_reference(dtype, interleaved, head_dim, rotary_dim):
     g = torch.Generator().manual_seed(head_dim * 7 + rotary_dim)
     T = 9

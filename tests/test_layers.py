@@ -1,13 +1,15 @@
-"""The layers depend one way (kernels <- bindings <- Python), and the AVX2 build cannot leak into the
+"""The layers depend one way (kernels <- bindings <- Python), and the vector builds cannot leak into the
 portable path.
 
 * ``csrc/rope`` (kernels) includes nothing from torch or ``csrc/ops``, and compiles with a plain C++
   compiler and no torch headers; ``csrc/ops`` includes only ``csrc/rope`` headers, its own and torch's;
   ``registration.cpp`` (the schemas) includes no kernel header; only ``rope_ext/ops.py`` imports ``_C``.
-* ``cpu_avx2.cpp`` is compiled for AVX2/FMA/F16C. Every function it emits with those instructions must be
-  its own (``rope::avx2::...`` or its entry point): an AVX2 copy of a shared inline function (a weak
-  symbol) may be the one the linker keeps for every caller, and a CPU without AVX2 then dies with SIGILL.
-  Checked in the objects at -O0 (every inline function emitted) and -O3, and in the built library.
+* ``cpu_avx2.cpp`` is compiled for AVX2/FMA/F16C, ``cpu_avx512.cpp`` and ``cpu_avx512_bf16.cpp`` for
+  AVX-512. Every function a vector build emits with those instructions must be its own
+  (``rope::<isa>::...`` or its entry point ``rope::cpu::detail::rotate_tokens_<isa>``): a vector copy of a
+  shared inline function (a weak symbol) may be the one the linker keeps for every caller, and a CPU
+  without that instruction set then dies with SIGILL. Checked in the objects at -O0 (every inline function
+  emitted) and -O3, and in the built library. Only the avx512_bf16 build uses the AVX512_BF16 conversion.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import rope_ext
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "csrc" / "rope"
 BINDINGS = ROOT / "csrc" / "ops"
-STD_OR_CUDA = re.compile(r"^[a-z_]+(\.h)?$|^cuda[a-z_]*\.h$|^immintrin\.h$")
+STD_OR_CUDA = re.compile(r"^[a-z_]+(\.h)?$|^cuda[a-z_]*\.h$|^immintrin\.h$|^arm_neon\.h$")
+X86_BUILDS = ("avx2", "avx512", "avx512_bf16")
 
 
 def _includes(path: Path) -> list[str]:
@@ -95,12 +98,20 @@ def _vex_functions(path: Path) -> dict[str, str]:
     return found
 
 
-def _leaks(path: Path) -> dict[str, str]:
-    """AVX code in `path` that does not belong to the AVX2 build."""
+def _owner(function: str) -> str | None:
+    """The vector build a function belongs to (its namespace or entry point), or None."""
+    for isa in sorted(X86_BUILDS, key=len, reverse=True):  # avx512_bf16 before avx512
+        if f"rope::{isa}::" in function or f"rope::cpu::detail::rotate_tokens_{isa}(" in function:
+            return isa
+    return None
+
+
+def _leaks(path: Path, isa: str | None = None) -> dict[str, str]:
+    """AVX code in `path` outside the vector build `isa` (None: outside every vector build)."""
     return {
         f: insn
         for f, insn in _vex_functions(path).items()
-        if "rope::avx2::" not in f and "rope::cpu::detail::rotate_tokens_avx2" not in f
+        if (_owner(f) is None if isa is None else _owner(f) != isa)
     }
 
 
@@ -117,9 +128,9 @@ def test_kernel_layer_compiles_without_torch(tmp_path):
 
 @needs_x86_gcc
 @pytest.mark.parametrize("opt", ["-O0", "-O3"])
-def test_avx2_build_emits_no_avx_copy_of_shared_code(tmp_path, opt):
+def test_vector_builds_emit_no_avx_copy_of_shared_code(tmp_path, opt):
     objs = {}
-    for name in ("cpu_kernel", "cpu_avx2"):
+    for name in ("cpu_kernel", *(f"cpu_{isa}" for isa in X86_BUILDS)):
         objs[name] = tmp_path / f"{name}.o"
         subprocess.run(
             ["g++", "-std=c++20", opt, "-fPIC", "-ffp-contract=off", "-c", str(KERNELS / f"{name}.cpp")]
@@ -127,13 +138,23 @@ def test_avx2_build_emits_no_avx_copy_of_shared_code(tmp_path, opt):
             check=True,
             capture_output=True,
         )
-    avx = _vex_functions(objs["cpu_avx2"])
-    assert any("rope::avx2::" in f for f in avx), "the AVX2 build has no AVX2 code"
-    assert not _leaks(objs["cpu_avx2"]), f"AVX code outside rope::avx2: {sorted(_leaks(objs['cpu_avx2']))}"
     assert not _vex_functions(objs["cpu_kernel"]), "the portable kernel contains AVX code"
+    for isa in X86_BUILDS:
+        avx = _vex_functions(objs[f"cpu_{isa}"])
+        assert any(_owner(f) == isa for f in avx), f"the {isa} build has no vector code"
+        leaks = _leaks(objs[f"cpu_{isa}"], isa)
+        assert not leaks, f"AVX code outside rope::{isa}: {sorted(leaks)[:10]}"
+    zmm = {isa: _disassembly(objs[f"cpu_{isa}"]) for isa in X86_BUILDS}
+    assert "%zmm" not in zmm["avx2"] and "%zmm" in zmm["avx512"] and "%zmm" in zmm["avx512_bf16"]
+    assert "vcvtneps2bf16" in zmm["avx512_bf16"]
+    assert "vcvtneps2bf16" not in zmm["avx512"] and "vcvtneps2bf16" not in zmm["avx2"]
+
+
+def _disassembly(path: Path) -> str:
+    return subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
 
 
 @needs_x86_gcc
-def test_built_library_keeps_avx_code_inside_the_avx2_build():
+def test_built_library_keeps_avx_code_inside_the_vector_builds():
     leaks = _leaks(Path(rope_ext._C.__file__))
-    assert not leaks, f"AVX code outside rope::avx2 in the op library: {sorted(leaks)[:10]}"
+    assert not leaks, f"AVX code outside the vector builds in the op library: {sorted(leaks)[:10]}"

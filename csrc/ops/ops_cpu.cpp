@@ -70,4 +70,8 @@ TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
 // An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.
 TORCH_LIBRARY_IMPL(rope_ext, CompositeImplicitAutograd, m) {
   m.impl("_cpu_isa", [] { return std::string(rope::cpu::isa()); });
+  m.impl("_cpu_isa_supported",
+         [](c10::string_view name) { return rope::cpu::isa_supported(std::string(name).c_str()); });
+  m.impl("_set_cpu_isa",
+         [](c10::string_view name) { return rope::cpu::set_isa(std::string(name).c_str()); });
 }

@@ -46,6 +46,10 @@ TORCH_LIBRARY(rope_ext, m) {
     return false;
 #endif
   });
-  // Name of the CPU instruction set in use ("avx2" or "scalar"); ops_cpu.cpp.
+  // The CPU kernel's instruction sets (csrc/rope/cpu.h), implemented in
+  // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
+  // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.
   m.def("_cpu_isa() -> str");
+  m.def("_cpu_isa_supported(str name) -> bool");
+  m.def("_set_cpu_isa(str name) -> bool");
 }

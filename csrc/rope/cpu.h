@@ -10,14 +10,36 @@ namespace rope {
 namespace cpu {
 
 // Rotates tokens [begin, end) of every tensor in `p` (0 <= begin <= end <=
-// p.n_tokens), choosing the instruction set of this machine at run time.
+// p.n_tokens) with the instruction set chosen for this process (isa()).
 // Positions must have been checked to lie in the cache (a position outside
 // it still reads nothing and yields NaN). Distinct token ranges may run on
 // different threads at once.
 void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end);
 
-// Instruction set rotate_tokens uses on this machine: "avx2" or "scalar".
+// Instruction sets of the CPU kernel, each a build of its own:
+//   "scalar"       portable C++ (any CPU)
+//   "avx2"         x86-64 AVX2 + FMA + F16C, 8 fp32 lanes
+//   "avx512"       x86-64 AVX-512 F/BW/VL/DQ, 16 fp32 lanes, masked tails,
+//                  bf16 rounded with integer instructions
+//   "avx512_bf16"  "avx512" with the AVX512_BF16 conversion (vcvtneps2bf16)
+//   "neon"         aarch64 Advanced SIMD, 4 fp32 lanes
+// All compute in fp32 (fp64 for float64 inputs) and give the same results
+// up to the fused multiply-adds of the vector paths (see README).
+//
+// The choice is made once, at the first call of any function here: the best
+// set this CPU supports, or, when the environment variable ROPE_EXT_CPU_ISA
+// names one, the best supported set no higher than it (scalar < avx2 = neon <
+// avx512 < avx512_bf16). An unknown name is ignored (the Python package
+// rejects it at import).
 const char* isa();
+
+// Whether `name` is one of the sets above and this CPU runs it.
+bool isa_supported(const char* name);
+
+// Makes `name` the set in use from now on, for calls that start after this
+// returns; false (and no change) when !isa_supported(name). For tests and
+// benchmarks that compare sets in one process.
+bool set_isa(const char* name);
 
 }  // namespace cpu
 }  // namespace rope

@@ -1,12 +1,12 @@
 // AVX2 + FMA + F16C build of the CPU kernel, called only after a run-time
-// CPU check (cpu_kernel.cpp).
+// CPU check (cpu_kernel.cpp). On other architectures this file is empty.
 //
 // Only the code of this file and of the rope headers is compiled for AVX2:
 // the standard headers are included before the target pragma (their inline
 // functions and templates keep the default instruction set), and ROPE_ISA
 // puts the rope headers' inline code in namespace rope::avx2, so none of it
 // can be merged at link time with the portable copies (a CPU without AVX2
-// would then run AVX2 code). tests/test_build.py checks both in the objects.
+// would then run AVX2 code). tests/test_layers.py checks both in the objects.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -261,10 +261,6 @@ void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t
   });
 }
 
-#else
-
-void cpu::detail::rotate_tokens_avx2(const RopeParams&, int64_t, int64_t) {}
-
-#endif
+#endif  // ROPE_HAVE_AVX2
 
 }  // namespace rope

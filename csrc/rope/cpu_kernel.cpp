@@ -1,36 +1,115 @@
-// Portable CPU kernel and the run-time choice between it and the AVX2 build.
+// Portable CPU kernel and the run-time choice of instruction set (cpu.h).
 #include "cpu_kernel.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "cpu.h"
 
 namespace rope {
 namespace cpu {
 
-namespace {
-bool use_avx2() {
-  static const bool ok = detail::avx2_supported();
-  return ok;
-}
-}  // namespace
-
-bool detail::avx2_supported() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
-void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
-  if (use_avx2()) return detail::rotate_tokens_avx2(p, begin, end);
+void detail::rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t end) {
   dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
     host::rotate_tokens_impl<T, CS, Pos, IL, host::ScalarHead>(p, begin, end);
   });
 }
 
-const char* isa() { return use_avx2() ? "avx2" : "scalar"; }
+namespace {
+
+using Kernel = void (*)(const RopeParams&, int64_t, int64_t);
+
+struct Isa {
+  const char* name;
+  int rank;  // the environment variable's order: the best set of rank <= the one asked for
+  Kernel kernel;
+  bool (*supported)();
+};
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// __builtin_cpu_supports reads the cpuid results cached by __builtin_cpu_init.
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+bool always() { return true; }
+
+constexpr Isa kIsas[] = {
+    {"scalar", 0, detail::rotate_tokens_scalar, always},
+    {"avx2", 1, detail::rotate_tokens_avx2, has_avx2},
+    {"avx512", 2, detail::rotate_tokens_avx512, has_avx512},
+    {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16},
+};
+#elif defined(__aarch64__)
+bool always() { return true; }  // Advanced SIMD is part of every aarch64 CPU
+constexpr Isa kIsas[] = {
+    {"scalar", 0, detail::rotate_tokens_scalar, always},
+    {"neon", 1, detail::rotate_tokens_neon, always},
+};
+#else
+bool always() { return true; }
+constexpr Isa kIsas[] = {
+    {"scalar", 0, detail::rotate_tokens_scalar, always},
+};
+#endif
+constexpr int kNumIsas = int(sizeof(kIsas) / sizeof(kIsas[0]));
+
+// Rank of a name of any architecture, or -1.
+int rank_of(const char* name) {
+  static constexpr struct {
+    const char* name;
+    int rank;
+  } kRanks[] = {{"scalar", 0}, {"avx2", 1}, {"neon", 1}, {"avx512", 2}, {"avx512_bf16", 3}};
+  for (const auto& r : kRanks)
+    if (std::strcmp(r.name, name) == 0) return r.rank;
+  return -1;
+}
+
+int find(const char* name) {
+  for (int i = 0; i < kNumIsas; ++i)
+    if (std::strcmp(kIsas[i].name, name) == 0) return i;
+  return -1;
+}
+
+int initial_choice() {
+  const char* env = std::getenv("ROPE_EXT_CPU_ISA");
+  const int cap = env && rank_of(env) >= 0 ? rank_of(env) : 1 << 30;
+  int best = 0;
+  for (int i = 0; i < kNumIsas; ++i)
+    if (kIsas[i].rank <= cap && kIsas[i].supported()) best = i;
+  return best;
+}
+
+std::atomic<int>& current() {
+  static std::atomic<int> index{initial_choice()};
+  return index;
+}
+
+}  // namespace
+
+void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
+  kIsas[current().load(std::memory_order_relaxed)].kernel(p, begin, end);
+}
+
+const char* isa() { return kIsas[current().load(std::memory_order_relaxed)].name; }
+
+bool isa_supported(const char* name) {
+  const int i = find(name);
+  return i >= 0 && kIsas[i].supported();
+}
+
+bool set_isa(const char* name) {
+  if (!isa_supported(name)) return false;
+  current().store(find(name), std::memory_order_relaxed);
+  return true;
+}
 
 }  // namespace cpu
 }  // namespace rope

@@ -1,5 +1,6 @@
 // CPU rotary kernel internals: the token loop, shared by the portable build
-// (cpu_kernel.cpp) and the AVX2 build (cpu_avx2.cpp). Torch-free.
+// (cpu_kernel.cpp) and the vector builds (cpu_avx2.cpp, cpu_avx512*.cpp,
+// cpu_neon.cpp). Torch-free.
 //
 // Everything defined here lives in rope::ROPE_ISA (see rope.h): each
 // instruction set compiles its own copy under its own names.
@@ -14,10 +15,16 @@
 namespace rope {
 namespace cpu {
 namespace detail {
-// The AVX2 build (cpu_avx2.cpp): call only when avx2_supported().
+// The vector builds, one translation unit each, compiled for their own
+// instruction set: call one only when this CPU supports it (cpu_kernel.cpp
+// checks). On another architecture their files compile to nothing and these
+// are not defined.
 void rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end);
-// Whether this CPU has AVX2, FMA and F16C (portable code: safe on any CPU).
-bool avx2_supported();
+void rotate_tokens_avx512(const RopeParams& p, int64_t begin, int64_t end);
+void rotate_tokens_avx512_bf16(const RopeParams& p, int64_t begin, int64_t end);
+void rotate_tokens_neon(const RopeParams& p, int64_t begin, int64_t end);
+// The portable build.
+void rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t end);
 }  // namespace detail
 }  // namespace cpu
 

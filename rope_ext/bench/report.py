@@ -105,6 +105,7 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
     )
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         widths = [
@@ -116,7 +117,7 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
             print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), file=file)
     else:
         console = Console(file=file, width=max(170, Console(file=file).width))
-        table = Table(title=head, title_justify="left", show_lines=False)
+        table = Table(title=escape(head), title_justify="left", show_lines=False)
         for c in TABLE_COLUMNS:
             table.add_column(
                 c, justify="right" if c not in ("workload", "mode", "provider", "status") else "left"
@@ -127,7 +128,7 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
                 table.add_section()
             prev = r[0]
             style = "red" if r[3].startswith(("WRONG", "ERROR")) else ("dim" if r[1] == "ceiling" else None)
-            table.add_row(*r, style=style)
+            table.add_row(*(escape(v) for v in r), style=style)  # "rope_ext[avx2]" is not markup
         console.print(table)
     print(
         "bytes: q and k read + written once, cos/sin row + position read once per token; "

@@ -73,6 +73,8 @@ def run_benchmark(
     provs = [p for p in [*PROVIDERS, *extra_providers] if p.mode in cfg.modes]
     if cfg.providers is not None:
         provs = [p for p in provs if p.name in cfg.providers]
+    else:
+        provs = [p for p in provs if not p.opt_in]
     timer = Timer(device, cfg.min_run_time)
     notes: dict[str, None] = {}
     rows: list[dict[str, Any]] = []

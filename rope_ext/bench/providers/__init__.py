@@ -40,18 +40,24 @@ class Provider:
     mode: str  # "inplace" | "out" | "backward"
     build: Builder
     baseline: bool = False  # the eager reference: speedups are relative to it
+    opt_in: bool = False  # timed only when named in --providers
 
 
 PROVIDERS: list[Provider] = []
 
 
-def provider(name: str, mode: str, *, baseline: bool = False) -> Callable[[Builder], Builder]:
-    """Registers ``build(case) -> runner`` as provider ``name`` for ``mode``."""
+def provider(
+    name: str, mode: str, *, baseline: bool = False, opt_in: bool = False
+) -> Callable[[Builder], Builder]:
+    """Registers ``build(case) -> runner`` as provider ``name`` for ``mode``.
+
+    An ``opt_in`` provider runs only when ``--providers`` names it.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
     def register(build: Builder) -> Builder:
-        PROVIDERS.append(Provider(name, mode, build, baseline))
+        PROVIDERS.append(Provider(name, mode, build, baseline, opt_in))
         return build
 
     return register

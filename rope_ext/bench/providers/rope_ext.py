@@ -8,7 +8,7 @@ from torch import Tensor
 import rope_ext
 
 from ..workloads import Case, clones
-from . import Runner, provider
+from . import Runner, Skip, provider
 
 
 @provider("rope_ext", "inplace")
@@ -38,3 +38,39 @@ def _rope_ext_backward(case: Case) -> Runner:
     outs = rope_ext.apply_rotary_qk(q, k, case.positions[:, None], case.cos_sin, interleaved=case.interleaved)
     grads = (case.grad_q, case.grad_k)
     return lambda: torch.autograd.grad(outs, (q, k), grads, retain_graph=True)
+
+
+def _forced_isa(isa: str, build):
+    """``build``'s runner with the CPU kernel switched to ``isa`` for each call (and back after it).
+
+    Prefill only: the two switches cost about as much as a decode step.
+    """
+
+    def build_forced(case: Case) -> Runner:
+        if case.device.type != "cpu":
+            raise Skip("forced CPU instruction sets are for --device cpu")
+        if case.phase != "prefill":
+            raise Skip("forced CPU instruction sets time prefill only")
+        if not torch.ops.rope_ext._cpu_isa_supported(isa):
+            raise Skip(f"this CPU does not run the {isa} kernel")
+        run = build(case)
+        switch = torch.ops.rope_ext._set_cpu_isa
+        default = rope_ext._cpu_isa()
+
+        def run_forced() -> tuple[Tensor, Tensor]:
+            switch(isa)
+            try:
+                return run()
+            finally:
+                switch(default)
+
+        return run_forced
+
+    return build_forced
+
+
+# rope_ext[scalar], rope_ext[avx2], ...: one CPU kernel build each, compared in one run (opt-in).
+for _isa in rope_ext.ops.CPU_ISAS:
+    provider(f"rope_ext[{_isa}]", "inplace", opt_in=True)(_forced_isa(_isa, _rope_ext_inplace))
+    provider(f"rope_ext[{_isa}]", "out", opt_in=True)(_forced_isa(_isa, _rope_ext_out))
+del _isa
