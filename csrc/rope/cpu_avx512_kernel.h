@@ -294,6 +294,97 @@ struct Avx512Head : ScalarTable {
     }
     if (copy_pass && D > r) std::memcpy(out + r, in + r, sizeof(T) * size_t(D - r));
   }
+  // n heads at in + i * si (out + i * so) rotated with the table held in
+  // registers (up to 16 of the 32 zmm registers for rotary_dim 128), loaded
+  // once per token instead of once per head. For the unrolled rotary dims;
+  // the same arithmetic as rotate(), so the same bits.
+  template <class T, bool Interleaved, class A>
+    requires(R > 0 && !std::is_same_v<T, double>)
+  __attribute__((always_inline)) static void rotate_heads(const T* in, T* out, int64_t si,
+                                                          int64_t so, int64_t n, const float* tab,
+                                                          int D, bool copy_pass) {
+    constexpr int h = R / 2;
+    const bool pass = copy_pass && D > R;
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      const float* tp = tab + 2 * R;
+      if constexpr (Interleaved) {
+        constexpr int K = h / 16;  // blocks of 16 pairs (32 elements)
+        __m512 c[K], sn[K];
+#pragma GCC unroll 8
+        for (int k = 0; k < K; ++k) {
+          c[k] = _mm512_loadu_ps(tp + 16 * k);
+          sn[k] = _mm512_loadu_ps(tp + h + 16 * k);
+        }
+        for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+#pragma GCC unroll 8
+          for (int k = 0; k < K; ++k) {
+            __m512 x1, x2;
+            load32(in + 32 * k, x1, x2);
+            store32(out + 32 * k, _mm512_fmsub_ps(x1, c[k], _mm512_mul_ps(x2, sn[k])),
+                    _mm512_fmadd_ps(x2, c[k], _mm512_mul_ps(x1, sn[k])));
+          }
+          if (pass) std::memcpy(out + R, in + R, sizeof(T) * size_t(D - R));
+        }
+      } else {
+        constexpr int K = h / 32;  // blocks of 32 pairs
+        __m512 cl[K], ch[K], sl[K], sh[K];
+#pragma GCC unroll 8
+        for (int k = 0; k < K; ++k) {
+          cl[k] = _mm512_loadu_ps(tp + 32 * k);
+          ch[k] = _mm512_loadu_ps(tp + 32 * k + 16);
+          sl[k] = _mm512_loadu_ps(tp + h + 32 * k);
+          sh[k] = _mm512_loadu_ps(tp + h + 32 * k + 16);
+        }
+        for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+#pragma GCC unroll 8
+          for (int k = 0; k < K; ++k) {
+            __m512 x1l, x1h, x2l, x2h;
+            load32(in + 32 * k, x1l, x1h);
+            load32(in + h + 32 * k, x2l, x2h);
+            store32(out + 32 * k, _mm512_fmsub_ps(x1l, cl[k], _mm512_mul_ps(x2l, sl[k])),
+                    _mm512_fmsub_ps(x1h, ch[k], _mm512_mul_ps(x2h, sh[k])));
+            store32(out + h + 32 * k, _mm512_fmadd_ps(x2l, cl[k], _mm512_mul_ps(x1l, sl[k])),
+                    _mm512_fmadd_ps(x2h, ch[k], _mm512_mul_ps(x1h, sh[k])));
+          }
+          if (pass) std::memcpy(out + R, in + R, sizeof(T) * size_t(D - R));
+        }
+      }
+    } else if constexpr (Interleaved) {
+      constexpr int K = R / 16;
+      __m512 c[K], s[K];
+#pragma GCC unroll 8
+      for (int k = 0; k < K; ++k) {
+        c[k] = _mm512_loadu_ps(tab + 16 * k);
+        s[k] = _mm512_loadu_ps(tab + R + 16 * k);
+      }
+      for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+#pragma GCC unroll 8
+        for (int k = 0; k < K; ++k) {
+          const __m512 x = load16(in + 16 * k);
+          const __m512 xs = _mm512_permute_ps(x, 0xB1);
+          store16(out + 16 * k, _mm512_fmadd_ps(x, c[k], _mm512_mul_ps(xs, s[k])));
+        }
+        if (pass) std::memcpy(out + R, in + R, sizeof(T) * size_t(D - R));
+      }
+    } else {
+      constexpr int K = h / 16;
+      __m512 c[K], s[K];
+#pragma GCC unroll 8
+      for (int k = 0; k < K; ++k) {
+        c[k] = _mm512_loadu_ps(tab + 16 * k);
+        s[k] = _mm512_loadu_ps(tab + h + 16 * k);
+      }
+      for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+#pragma GCC unroll 8
+        for (int k = 0; k < K; ++k) {
+          const __m512 x1 = load16(in + 16 * k), x2 = load16(in + h + 16 * k);
+          store16(out + 16 * k, _mm512_fmsub_ps(x1, c[k], _mm512_mul_ps(x2, s[k])));
+          store16(out + h + 16 * k, _mm512_fmadd_ps(x2, c[k], _mm512_mul_ps(x1, s[k])));
+        }
+        if (pass) std::memcpy(out + R, in + R, sizeof(T) * size_t(D - R));
+      }
+    }
+  }
   // float64: the portable loop, compiled for AVX-512.
   template <class T, bool Interleaved, class A>
   static void rotate(const double* in, double* out, const double* tab, int r, int D,

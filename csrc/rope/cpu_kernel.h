@@ -128,9 +128,18 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       if (t.n_head_dims <= 1) {
         const int64_t si = t.n_head_dims ? t.in_head_stride[0] : 0;
         const int64_t so = t.n_head_dims ? t.out_head_stride[0] : 0;
-        for (int64_t head = 0; head < t.n_heads; ++head)
-          Head::template rotate<T, Interleaved, A>(in + head * si, out + head * so, tab.data(), r,
-                                                   D, copy_pass);
+        if constexpr (requires {
+                        Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, int64_t{},
+                                                                       tab.data(), D, copy_pass);
+                      }) {
+          // A head type that keeps the table in registers across the heads.
+          Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, t.n_heads, tab.data(), D,
+                                                         copy_pass);
+        } else {
+          for (int64_t head = 0; head < t.n_heads; ++head)
+            Head::template rotate<T, Interleaved, A>(in + head * si, out + head * so, tab.data(), r,
+                                                     D, copy_pass);
+        }
       } else {
         HeadWalker w(t);
         for (int64_t head = 0; head < t.n_heads; ++head, w.next())
