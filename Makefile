@@ -15,7 +15,7 @@ endif
 export ROPE_EXT_TESTING := 1
 SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 EXT_STAMP := build/.ext-stamp
-CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
+CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh tests/native/*.cpp)
 PY_DIRS := rope_ext tests benchmarks setup.py
 
 .PHONY: install build test bench lint format clean

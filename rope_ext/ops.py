@@ -18,6 +18,7 @@ from . import _C  # noqa: F401  (registers torch.ops.rope_ext.*)
 __all__ = ["apply_rotary", "apply_rotary_qk", "apply_rotary_qk_", "set_position_checks"]
 
 _ops = torch.ops.rope_ext
+_rotary_qk_inplace = _ops.rotary_qk_.default
 _check_positions_on_device = False
 
 # Instruction sets of the CPU kernel, lowest first within each architecture (csrc/rope/cpu.h).
@@ -131,6 +132,18 @@ def apply_rotary_qk_(
     backward is the inverse rotation of the incoming gradient), also for views of a packed QKV tensor and
     under ``torch.compile``; a leaf that requires grad (or a view of one) raises PyTorch's usual error.
     """
+    if (
+        type(q) is Tensor
+        and (k is None or type(k) is Tensor)
+        and type(positions) is Tensor
+        and type(cos_sin) is Tensor
+        and not (q.requires_grad or (k is not None and k.requires_grad))
+        and not _check_positions_on_device
+        and not torch.compiler.is_compiling()
+    ):
+        # The common eager call (a decode step): straight to the op, which checks everything else.
+        _rotary_qk_inplace(q, k, positions, cos_sin, interleaved, False)
+        return
     _require_tensor("q", q)
     _require_tensor("k", k, optional=True)
     _require_tensor("positions", positions)
