@@ -19,6 +19,7 @@ __all__ = ["apply_rotary", "apply_rotary_qk", "apply_rotary_qk_", "set_position_
 
 _ops = torch.ops.rope_ext
 _rotary_qk_inplace = _ops.rotary_qk_.default
+_is_compiling = torch.compiler.is_compiling
 _check_positions_on_device = False
 
 # Instruction sets of the CPU kernel, lowest first within each architecture (csrc/rope/cpu.h).
@@ -133,13 +134,11 @@ def apply_rotary_qk_(
     under ``torch.compile``; a leaf that requires grad (or a view of one) raises PyTorch's usual error.
     """
     if (
-        type(q) is Tensor
-        and (k is None or type(k) is Tensor)
-        and type(positions) is Tensor
-        and type(cos_sin) is Tensor
-        and not (q.requires_grad or (k is not None and k.requires_grad))
+        type(q) is type(positions) is type(cos_sin) is Tensor
+        and not q.requires_grad
+        and (k is None or (type(k) is Tensor and not k.requires_grad))
         and not _check_positions_on_device
-        and not torch.compiler.is_compiling()
+        and not _is_compiling()
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else.
         _rotary_qk_inplace(q, k, positions, cos_sin, interleaved, False)

@@ -121,8 +121,9 @@ alignas(64) inline constexpr uint16_t kZipWords[32] = {0,  16, 1,  17, 2,  18, 3
 // One conversion and one word shuffle; a block holding a denormal (see
 // bf16_round) takes the integer rounding.
 inline void store32(BFloat16* p, __m512 lo, __m512 hi) {
-  if (__builtin_expect((_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) == 0,
-                       1)) {
+  if (__builtin_expect(
+          _kortestz_mask16_u8(_mm512_fpclass_ps_mask(lo, 0x20), _mm512_fpclass_ps_mask(hi, 0x20)),
+          1)) {
     const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     _mm512_storeu_si512(p, _mm512_permutexvar_epi16(_mm512_load_si512(kZipWords), packed));
   } else {
