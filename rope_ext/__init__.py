@@ -6,12 +6,14 @@ from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
 from .ops import _set_cpu_isa as _set_cpu_isa
 from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_, set_position_checks
+from .varlen import varlen_positions
 
 __all__ = [
     "apply_rotary",
     "apply_rotary_qk",
     "apply_rotary_qk_",
     "set_position_checks",
+    "varlen_positions",
     "RopeCache",
     "RotaryEmbedding",
     "compat",

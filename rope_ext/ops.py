@@ -72,6 +72,11 @@ def _require_tensor(name: str, value, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def _require_offset(rotary_offset) -> None:
+    if type(rotary_offset) is not int:
+        raise TypeError(f"rotary_offset must be an int, got {type(rotary_offset).__name__}")
+
+
 def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
     if (
         _check_positions_on_device
@@ -88,26 +93,41 @@ def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
 
 
 def apply_rotary(
-    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+    x: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    interleaved: bool = False,
+    inverse: bool = False,
+    rotary_offset: int = 0,
 ) -> Tensor:
     """Rotate ``x [..., head_dim]`` by the angles of ``cos_sin[positions]``; returns a new tensor.
 
     ``positions`` broadcasts to ``x.shape[:-1]``: ``[T, 1]`` for ``[T, H, D]``; ``[B, S, 1]`` or
     ``[S, 1]`` for BSHD; ``[B, 1, S]`` for BHSD; ``[S, 1, 1]`` for ``[S, B, H, D]``. Features
-    ``>= rotary_dim = cos_sin.shape[-1]`` are copied unchanged. ``interleaved`` pairs ``(2j, 2j+1)``
-    instead of ``(j, j + rotary_dim/2)``; ``inverse`` rotates by the negative angle.
+    ``[rotary_offset, rotary_offset + rotary_dim)`` (``rotary_dim = cos_sin.shape[-1]``) are rotated, all
+    others copied unchanged: ``rotary_offset = head_dim - rotary_dim`` serves heads laid out
+    ``[nope | rope]`` (MLA) without slicing. ``interleaved`` pairs ``(2j, 2j+1)`` instead of
+    ``(j, j + rotary_dim/2)``, counted from ``rotary_offset``; ``inverse`` rotates by the negative angle.
     Differentiable in ``x`` (the gradient is the inverse rotation); ``positions`` and ``cos_sin``
     get no gradient.
     """
     _require_tensor("x", x)
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
+    _require_offset(rotary_offset)
     _pre_check(positions, cos_sin)
-    return _ops.rotary.default(x, positions, cos_sin, interleaved, inverse)
+    return _ops.rotary.default(x, positions, cos_sin, interleaved, inverse, rotary_offset)
 
 
 def apply_rotary_qk(
-    q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Rotate ``q`` and ``k`` (same rank and head_dim, head counts may differ) in one launch.
 
@@ -118,12 +138,19 @@ def apply_rotary_qk(
     _require_tensor("k", k)
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
+    _require_offset(rotary_offset)
     _pre_check(positions, cos_sin)
-    return _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False)
+    return _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False, rotary_offset)
 
 
 def apply_rotary_qk_(
-    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False
+    q: Tensor,
+    k: Tensor | None,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_offset: int = 0,
 ) -> None:
     """Rotate ``q`` and ``k`` in place (``k`` may be None); no allocation, CUDA-graph safe.
 
@@ -137,41 +164,46 @@ def apply_rotary_qk_(
         type(q) is type(positions) is type(cos_sin) is Tensor
         and not q.requires_grad
         and (k is None or (type(k) is Tensor and not k.requires_grad))
+        and type(rotary_offset) is int
         and not _check_positions_on_device
         and not _is_compiling()
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else.
-        _rotary_qk_inplace(q, k, positions, cos_sin, interleaved, False)
+        _rotary_qk_inplace(q, k, positions, cos_sin, interleaved, False, rotary_offset)
         return
     _require_tensor("q", q)
     _require_tensor("k", k, optional=True)
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
+    _require_offset(rotary_offset)
     _pre_check(positions, cos_sin)
+    rot = (positions, cos_sin, interleaved, rotary_offset)
     if not (q.requires_grad or (k is not None and k.requires_grad)) or not torch.is_grad_enabled():
-        _rotate_in_place(q, k, positions, cos_sin, interleaved)
+        _rotate_in_place(q, k, *rot)
         return
     targets = [t for t in (q, k) if t is not None]
     for t in targets:
         _check_inplace_allowed(t)
     if torch.compiler.is_compiling():
         # Traced: the differentiable functional op and copy_ (AOTAutograd reinplaces where it can).
-        _copy_rotated(q, k, positions, cos_sin, interleaved)
+        _copy_rotated(q, k, *rot)
         return
     # One launch rotates both (every check before the first write), on aliases autograd does not see;
     # then each tensor gets the rotation's node in its history, as an in-place op would.
     with torch.no_grad():
-        _rotate_in_place(q.detach(), None if k is None else k.detach(), positions, cos_sin, interleaved)
+        _rotate_in_place(q.detach(), None if k is None else k.detach(), *rot)
     for t in targets:
         if t.requires_grad:
-            _RotatedInPlace.apply(t, positions, cos_sin, interleaved)
+            _RotatedInPlace.apply(t, *rot)
 
 
 # ---------------------------------------------------------------------------------------------
 # Fake kernels (shapes only) for torch.compile / FakeTensor.
 
 
-def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x") -> None:
+def _fake_checks(
+    x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x", rotary_offset: int = 0
+) -> None:
     """Shape and device checks of the fake kernels."""
     for arg, t in ((name, x), ("positions", positions), ("cos_sin", cos_sin)):
         if not isinstance(t, Tensor):
@@ -184,6 +216,11 @@ def _fake_checks(x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x")
     torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
     torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
     torch._check(positions.dim() < x.dim(), lambda: "positions must broadcast to x.shape[:-1]")
+    if not 0 <= rotary_offset <= x.shape[-1] - cos_sin.shape[-1]:
+        raise ValueError(
+            f"rotary_offset must be in [0, head_dim - rotary_dim] = [0, {x.shape[-1] - cos_sin.shape[-1]}], "
+            f"got {rotary_offset}"
+        )
 
 
 def _same_device(q: Tensor, k: Tensor) -> None:
@@ -203,25 +240,25 @@ def _empty_output(x: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("rope_ext::rotary")
-def _rotary_fake(x, positions, cos_sin, interleaved=False, inverse=False):
-    _fake_checks(x, positions, cos_sin)
+def _rotary_fake(x, positions, cos_sin, interleaved=False, inverse=False, rotary_offset=0):
+    _fake_checks(x, positions, cos_sin, "x", rotary_offset)
     return _empty_output(x)
 
 
 @torch.library.register_fake("rope_ext::rotary_qk")
-def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
-    _fake_checks(q, positions, cos_sin, "q")
+def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False, rotary_offset=0):
+    _fake_checks(q, positions, cos_sin, "q", rotary_offset)
     _same_device(q, k)
-    _fake_checks(k, positions, cos_sin, "k")
+    _fake_checks(k, positions, cos_sin, "k", rotary_offset)
     return _empty_output(q), _empty_output(k)
 
 
 @torch.library.register_fake("rope_ext::rotary_qk_")
-def _rotary_qk_inplace_fake(q, k, positions, cos_sin, interleaved=False, inverse=False):
-    _fake_checks(q, positions, cos_sin, "q")
+def _rotary_qk_inplace_fake(q, k, positions, cos_sin, interleaved=False, inverse=False, rotary_offset=0):
+    _fake_checks(q, positions, cos_sin, "q", rotary_offset)
     if k is not None:
         _same_device(q, k)
-        _fake_checks(k, positions, cos_sin, "k")
+        _fake_checks(k, positions, cos_sin, "k", rotary_offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,31 +270,34 @@ def _last_dim_contiguous(g: Tensor) -> Tensor:
 
 
 def _setup(ctx, inputs, output):
-    positions, cos_sin, interleaved, inverse = inputs[-4:]
+    positions, cos_sin, interleaved, inverse, rotary_offset = inputs[-5:]
     ctx.save_for_backward(positions, cos_sin)
     ctx.interleaved = interleaved
     ctx.inverse = inverse
+    ctx.rotary_offset = rotary_offset
 
 
 def _rotary_backward(ctx, grad):
     positions, cos_sin = ctx.saved_tensors
-    dx = _ops.rotary.default(_last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, not ctx.inverse)
-    return dx, None, None, None, None
+    dx = _ops.rotary.default(
+        _last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, not ctx.inverse, ctx.rotary_offset
+    )
+    return dx, None, None, None, None, None
 
 
 def _rotary_qk_backward(ctx, grad_q, grad_k):
     positions, cos_sin = ctx.saved_tensors
-    args = (positions, cos_sin, ctx.interleaved, not ctx.inverse)
+    args = (positions, cos_sin, ctx.interleaved, not ctx.inverse, ctx.rotary_offset)
     if grad_q is not None and grad_k is not None:
         dq, dk = _ops.rotary_qk.default(_last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), *args)
     else:
         dq = None if grad_q is None else _ops.rotary.default(_last_dim_contiguous(grad_q), *args)
         dk = None if grad_k is None else _ops.rotary.default(_last_dim_contiguous(grad_k), *args)
-    return dq, dk, None, None, None, None
+    return dq, dk, None, None, None, None, None
 
 
 def _rotate_in_place(
-    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool
+    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool, rotary_offset: int
 ) -> None:
     """``rotary_qk_``; under ``torch.compile``, views go through the functional op and ``copy_``.
 
@@ -268,17 +308,19 @@ def _rotate_in_place(
     are not detected (eager calls raise): pass disjoint views.
     """
     if torch.compiler.is_compiling() and (q._base is not None or (k is not None and k._base is not None)):
-        _copy_rotated(q, k, positions, cos_sin, interleaved)
+        _copy_rotated(q, k, positions, cos_sin, interleaved, rotary_offset)
         return
-    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False)
+    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False, rotary_offset)
 
 
-def _copy_rotated(q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool) -> None:
+def _copy_rotated(
+    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool, rotary_offset: int
+) -> None:
     """The in-place rotation as the functional op plus ``copy_`` (both differentiable)."""
     if k is None:
-        q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False))
+        q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False, rotary_offset))
     else:
-        q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False)
+        q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False, rotary_offset)
         q.copy_(q_rot)
         k.copy_(k_rot)
 
@@ -301,17 +343,19 @@ class _RotatedInPlace(torch.autograd.Function):
     backward rotates the incoming gradient by the inverse angle (the same kernel)."""
 
     @staticmethod
-    def forward(ctx, x, positions, cos_sin, interleaved):
+    def forward(ctx, x, positions, cos_sin, interleaved, rotary_offset):
         ctx.mark_dirty(x)
         ctx.save_for_backward(positions, cos_sin)
         ctx.interleaved = interleaved
+        ctx.rotary_offset = rotary_offset
         return x
 
     @staticmethod
     def backward(ctx, grad):
         positions, cos_sin = ctx.saved_tensors
-        dx = _ops.rotary.default(_last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, True)
-        return dx, None, None, None
+        g = _last_dim_contiguous(grad)
+        dx = _ops.rotary.default(g, positions, cos_sin, ctx.interleaved, True, ctx.rotary_offset)
+        return dx, None, None, None, None
 
 
 torch.library.register_autograd("rope_ext::rotary", _rotary_backward, setup_context=_setup)

@@ -8,8 +8,9 @@ Three independent forms of the same linear map (they agree to ~1e-15):
 
 Each takes the arguments of :func:`rope_ext.apply_rotary` (``x [..., head_dim]``, integer ``positions``
 broadcastable to ``x.shape[:-1]``, ``cos_sin [P, rotary_dim]`` = cos half then sin half) and returns a
-float64 tensor of x's shape; features past ``rotary_dim`` are passed through. ``inverse=True`` rotates by
-the negative angle. Pairs are ``(j, j + rotary_dim/2)`` (half-split, GPT-NeoX / HF ``rotate_half``) or
+float64 tensor of x's shape; features ``[rotary_offset, rotary_offset + rotary_dim)`` are rotated, the
+others passed through. ``inverse=True`` rotates by the negative angle. Pairs are ``(j, j + rotary_dim/2)``
+(half-split, GPT-NeoX / HF ``rotate_half``) or
 ``(2j, 2j+1)`` when ``interleaved`` (GPT-J / RoFormer / complex form).
 
 Also here, the HF-style eager formula as transformers writes it, in the input dtype (the baseline the
@@ -78,10 +79,25 @@ def _with_pass(x: Tensor, rotated: Tensor, rotary_dim: int) -> Tensor:
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
 
+def _at_offset(form, x: Tensor, positions, cos_sin, interleaved, inverse, rotary_offset: int) -> Tensor:
+    """``form`` on the features from ``rotary_offset`` on; the ones before it pass through."""
+    x = x.to(torch.float64)
+    tail = form(x[..., rotary_offset:], positions, cos_sin, interleaved=interleaved, inverse=inverse)
+    return torch.cat([x[..., :rotary_offset], tail], dim=-1)
+
+
 def rotary_matrix(
-    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+    x: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    interleaved: bool = False,
+    inverse: bool = False,
+    rotary_offset: int = 0,
 ) -> Tensor:
     """Rotation-matrix form: ``x' = x R(p)`` with ``R(p)`` block-diagonal 2x2 rotations (RoFormer)."""
+    if rotary_offset:
+        return _at_offset(rotary_matrix, x, positions, cos_sin, interleaved, inverse, rotary_offset)
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse)
@@ -98,9 +114,17 @@ def rotary_matrix(
 
 
 def rotary_complex(
-    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+    x: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    interleaved: bool = False,
+    inverse: bool = False,
+    rotary_offset: int = 0,
 ) -> Tensor:
     """Complex form: pair ``j`` is ``z_j = x1 + i x2`` and ``z_j' = z_j e^{i a_j}`` (Meta's Llama)."""
+    if rotary_offset:
+        return _at_offset(rotary_complex, x, positions, cos_sin, interleaved, inverse, rotary_offset)
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse)
@@ -118,9 +142,17 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def rotary_hadamard(
-    x: Tensor, positions: Tensor, cos_sin: Tensor, *, interleaved: bool = False, inverse: bool = False
+    x: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    interleaved: bool = False,
+    inverse: bool = False,
+    rotary_offset: int = 0,
 ) -> Tensor:
     """Element-wise form: ``x' = x * cos + rot(x) * sin``, ``rot`` swapping each pair with a sign."""
+    if rotary_offset:
+        return _at_offset(rotary_hadamard, x, positions, cos_sin, interleaved, inverse, rotary_offset)
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse)

@@ -32,34 +32,35 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def emulate(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False):
+def emulate(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False, rotary_offset=0):
     """Runs the CUDA kernel body on the host; returns (q_out, k_out, launch)."""
     skip_without_emulation()
     num_sms, scalar = _EMULATION[backend]
     q_out = q if inplace else torch.empty_like(q)
     k_out = None if k is None else (k if inplace else torch.empty_like(k))
     launch = torch.ops.rope_ext._cuda_emulated(
-        q, k, q_out, k_out, positions, cos_sin, interleaved, inverse, num_sms, scalar
+        q, k, q_out, k_out, positions, cos_sin, interleaved, inverse, num_sms, scalar, rotary_offset
     )
     return q_out, k_out, launch
 
 
-def rotate_qk(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False):
+def rotate_qk(
+    backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False, rotary_offset=0
+):
     """Rotates q (and k, which may be None) with `backend`; returns the rotated (q, k)."""
+    kw = dict(interleaved=interleaved, rotary_offset=rotary_offset)
     if backend.startswith("emu"):
-        q_out, k_out, _ = emulate(
-            backend, q, k, positions, cos_sin, interleaved=interleaved, inverse=inverse, inplace=inplace
-        )
+        q_out, k_out, _ = emulate(backend, q, k, positions, cos_sin, inverse=inverse, inplace=inplace, **kw)
         return q_out, k_out
     if inplace:
         assert not inverse
-        rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, interleaved=interleaved)
+        rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, **kw)
         return q, k
     if k is None:
-        return rope_ext.apply_rotary(q, positions, cos_sin, interleaved=interleaved, inverse=inverse), None
+        return rope_ext.apply_rotary(q, positions, cos_sin, inverse=inverse, **kw), None
     if inverse:
         return (
-            rope_ext.apply_rotary(q, positions, cos_sin, interleaved=interleaved, inverse=True),
-            rope_ext.apply_rotary(k, positions, cos_sin, interleaved=interleaved, inverse=True),
+            rope_ext.apply_rotary(q, positions, cos_sin, inverse=True, **kw),
+            rope_ext.apply_rotary(k, positions, cos_sin, inverse=True, **kw),
         )
-    return rope_ext.apply_rotary_qk(q, k, positions, cos_sin, interleaved=interleaved)
+    return rope_ext.apply_rotary_qk(q, k, positions, cos_sin, **kw)

@@ -224,7 +224,8 @@ void check_writable(const at::Tensor& q, const at::Tensor* k) {
 rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                              const at::Tensor* k_in, const at::Tensor* k_out,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
-                             bool interleaved, bool inverse, const char* q_name) {
+                             bool interleaved, bool inverse, int64_t rotary_offset,
+                             const char* q_name) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
   if (k_in) {
@@ -255,6 +256,10 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                     "rotary_dim (cos_sin.shape[-1]) must be even and positive, got ", rotary_dim);
   TORCH_CHECK_VALUE(rotary_dim <= head_dim, "rotary_dim (cos_sin.shape[-1] = ", rotary_dim,
                     ") must be <= head_dim (", xname, ".shape[-1] = ", head_dim, ")");
+  TORCH_CHECK_VALUE(rotary_offset >= 0 && rotary_offset <= head_dim - rotary_dim,
+                    "rotary_offset must be in [0, head_dim - rotary_dim] = [0, ",
+                    head_dim - rotary_dim, "] (", xname, ".shape[-1] = ", head_dim,
+                    ", rotary_dim = cos_sin.shape[-1] = ", rotary_dim, "), got ", rotary_offset);
   TORCH_CHECK_VALUE(cos_sin.stride(1) == 1, "cos_sin must have a contiguous last dim, got strides ",
                     shape_str(cos_sin.strides()));
 
@@ -325,6 +330,7 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   p.n_cache_rows = cos_sin.size(0);
   p.head_dim = int(head_dim);
   p.rotary_dim = int(rotary_dim);
+  p.rot_offset = int(rotary_offset);
   p.interleaved = interleaved;
   p.inverse = inverse;
   p.x_dtype = to_dtype(q_in.scalar_type());
@@ -368,31 +374,34 @@ at::Tensor empty_output(const at::Tensor& x) {
 }  // namespace
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                  bool interleaved, bool inverse, const Backend& backend) {
+                  bool interleaved, bool inverse, int64_t rotary_offset, const Backend& backend) {
   check_input(x, "x");
   at::Tensor out = empty_output(x);
-  const auto p = make_params(x, out, nullptr, nullptr, positions, cos_sin, interleaved, inverse);
+  const auto p = make_params(x, out, nullptr, nullptr, positions, cos_sin, interleaved, inverse,
+                             rotary_offset);
   run(p, x, backend);
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& positions, const at::Tensor& cos_sin,
-                                             bool interleaved, bool inverse,
+                                             bool interleaved, bool inverse, int64_t rotary_offset,
                                              const Backend& backend) {
   check_input(q, "q");
   check_input(k, "k");
   at::Tensor q_out = empty_output(q), k_out = empty_output(k);
-  const auto p = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse);
+  const auto p =
+      make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse, rotary_offset);
   run(p, q, backend);
   return {q_out, k_out};
 }
 
 void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
                 const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
-                bool inverse, const Backend& backend) {
+                bool inverse, int64_t rotary_offset, const Backend& backend) {
   const at::Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
-  const auto p = make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, "q");
+  const auto p =
+      make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, rotary_offset, "q");
   check_writable(q, kp);
   run(p, q, backend);
 }

@@ -105,7 +105,8 @@ template <class T, class CS, class Pos, bool Interleaved, class Head>
 void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   using A = typename Acc<T>::type;
   const int r = p.rotary_dim;
-  const int D = p.head_dim;
+  const int off = p.rot_offset;
+  const int D = p.head_dim - off;  // features from the first rotated one to the end
   std::vector<A> tab(size_t(Head::kTabPerFeature) * size_t(r));
   const CS* cs = static_cast<const CS*>(p.cos_sin);
   const A sign = p.inverse ? A(-1) : A(1);
@@ -122,8 +123,10 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
     }
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
-      const T* in = static_cast<const T*>(t.in) + o.in[ti];
-      T* out = static_cast<T*>(t.out) + o.out[ti];
+      // Heads are addressed from their first rotated feature; features before
+      // it (rot_offset > 0) are copied after the rotation.
+      const T* in = static_cast<const T*>(t.in) + o.in[ti] + off;
+      T* out = static_cast<T*>(t.out) + o.out[ti] + off;
       const bool copy_pass = t.copy_pass;
       if (t.n_head_dims <= 1) {
         const int64_t si = t.n_head_dims ? t.in_head_stride[0] : 0;
@@ -145,6 +148,11 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
         for (int64_t head = 0; head < t.n_heads; ++head, w.next())
           Head::template rotate<T, Interleaved, A>(in + w.in, out + w.out, tab.data(), r, D,
                                                    copy_pass);
+      }
+      if (copy_pass && off > 0) {
+        HeadWalker w(t);
+        for (int64_t head = 0; head < t.n_heads; ++head, w.next())
+          std::memcpy(out - off + w.out, in - off + w.in, sizeof(T) * size_t(off));
       }
     }
   }

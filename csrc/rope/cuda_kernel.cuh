@@ -207,6 +207,7 @@ inline bool can_vectorize(const RopeParams& p) {
   const int64_t V = 16 / x_size;
   const int64_t r = p.rotary_dim, h = r / 2, D = p.head_dim;
   if (p.interleaved ? r % V != 0 : h % V != 0) return false;
+  if (p.rot_offset % V != 0) return false;
   if (any_copy_pass(p) && (r % V != 0 || (D - r) % V != 0)) return false;
   for (int t = 0; t < p.n_tensors; ++t) {
     const RotTensor& rt = p.t[t];
@@ -308,11 +309,17 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
         T* out = static_cast<T*>(p.t[ti].out) + o.out[ti] + hout;
         if (!rot) {
           if (!p.t[ti].copy_pass) continue;  // in place: already in the output
-          const int64_t e = p.rotary_dim + (lane - l.n_rot_units) * V;
+          // Pass-through features: [0, rot_offset), then [rot_offset + rotary_dim, head_dim).
+          const int64_t f = (lane - l.n_rot_units) * V;
+          const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
           T x[V];
           load_n<Vectorized>(in + e, x);
           store_n<Vectorized>(out + e, x);
-        } else if (Interleaved) {
+          continue;
+        }
+        in += p.rot_offset;
+        out += p.rot_offset;
+        if (Interleaved) {
           T x[2 * P], y[2 * P];
           load_n<Vectorized && (2 * P == V)>(in + 2 * j0, x);
           ROPE_UNROLL

@@ -41,8 +41,9 @@ struct BFloat16 {
 struct RotTensor {
   const void* in;  // input, last dim contiguous
   void* out;       // output of the same shape; may be `in` (in place)
-  // Whether features [rotary_dim, head_dim) are copied from in to out. False
-  // in place (they already hold their values); true for a separate output.
+  // Whether the pass-through features (all but [rot_offset, rot_offset +
+  // rotary_dim)) are copied from in to out. False in place (they already hold
+  // their values); true for a separate output.
   bool copy_pass;
   int n_head_dims;
   int64_t n_heads;  // product of head_size
@@ -72,7 +73,8 @@ struct RopeParams {
   int64_t n_cache_rows;
 
   int head_dim;      // features per head, <= kMaxHeadDim
-  int rotary_dim;    // even, <= head_dim; features past it pass through
+  int rotary_dim;    // even; features [rot_offset, rot_offset + rotary_dim) rotate
+  int rot_offset;    // >= 0, rot_offset + rotary_dim <= head_dim; all other features pass through
   bool interleaved;  // pairs (2j, 2j+1); else (j, j + rotary_dim/2)
   bool inverse;      // rotate by the negative angle (the gradient)
 
