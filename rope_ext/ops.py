@@ -9,6 +9,7 @@ Arithmetic is float32 (float64 for float64 inputs); outputs have x's dtype.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -77,6 +78,15 @@ def _require_offset(rotary_offset) -> None:
         raise TypeError(f"rotary_offset must be an int, got {type(rotary_offset).__name__}")
 
 
+def _sections(mrope_section) -> list[int] | None:
+    """``mrope_section`` as the op takes it (a list of ints), or None."""
+    if mrope_section is None:
+        return None
+    if isinstance(mrope_section, Tensor) or not all(type(v) is int for v in mrope_section):
+        raise TypeError(f"mrope_section must be a sequence of 3 ints, got {mrope_section!r}")
+    return list(mrope_section)
+
+
 def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
     if (
         _check_positions_on_device
@@ -100,6 +110,8 @@ def apply_rotary(
     interleaved: bool = False,
     inverse: bool = False,
     rotary_offset: int = 0,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> Tensor:
     """Rotate ``x [..., head_dim]`` by the angles of ``cos_sin[positions]``; returns a new tensor.
 
@@ -109,6 +121,13 @@ def apply_rotary(
     others copied unchanged: ``rotary_offset = head_dim - rotary_dim`` serves heads laid out
     ``[nope | rope]`` (MLA) without slicing. ``interleaved`` pairs ``(2j, 2j+1)`` instead of
     ``(j, j + rotary_dim/2)``, counted from ``rotary_offset``; ``inverse`` rotates by the negative angle.
+
+    MRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): with ``mrope_section=(t, h, w)`` (``t + h + w ==
+    rotary_dim / 2``), ``positions`` is ``[3, ...]`` (temporal, height, width; the rest broadcasts to
+    ``x.shape[:-1]``) and pair ``j`` takes the position of its section: ``positions[0]`` for ``j < t``,
+    ``positions[1]`` for ``t <= j < t + h``, ``positions[2]`` after; with ``mrope_interleaved=True``
+    (Qwen3-VL) pair ``j`` takes ``positions[1]`` when ``j % 3 == 1 and j < 3 h``, ``positions[2]`` when
+    ``j % 3 == 2 and j < 3 w``, else ``positions[0]``.
     Differentiable in ``x`` (the gradient is the inverse rotation); ``positions`` and ``cos_sin``
     get no gradient.
     """
@@ -116,8 +135,11 @@ def apply_rotary(
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
     _require_offset(rotary_offset)
+    mrope_section = _sections(mrope_section)
     _pre_check(positions, cos_sin)
-    return _ops.rotary.default(x, positions, cos_sin, interleaved, inverse, rotary_offset)
+    return _ops.rotary.default(
+        x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved
+    )
 
 
 def apply_rotary_qk(
@@ -128,6 +150,8 @@ def apply_rotary_qk(
     *,
     interleaved: bool = False,
     rotary_offset: int = 0,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Rotate ``q`` and ``k`` (same rank and head_dim, head counts may differ) in one launch.
 
@@ -139,8 +163,11 @@ def apply_rotary_qk(
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
     _require_offset(rotary_offset)
+    mrope_section = _sections(mrope_section)
     _pre_check(positions, cos_sin)
-    return _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False, rotary_offset)
+    return _ops.rotary_qk.default(
+        q, k, positions, cos_sin, interleaved, False, rotary_offset, mrope_section, mrope_interleaved
+    )
 
 
 def apply_rotary_qk_(
@@ -151,6 +178,8 @@ def apply_rotary_qk_(
     *,
     interleaved: bool = False,
     rotary_offset: int = 0,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> None:
     """Rotate ``q`` and ``k`` in place (``k`` may be None); no allocation, CUDA-graph safe.
 
@@ -165,19 +194,23 @@ def apply_rotary_qk_(
         and not q.requires_grad
         and (k is None or (type(k) is Tensor and not k.requires_grad))
         and type(rotary_offset) is int
+        and mrope_section is None
         and not _check_positions_on_device
         and not _is_compiling()
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else.
-        _rotary_qk_inplace(q, k, positions, cos_sin, interleaved, False, rotary_offset)
+        _rotary_qk_inplace(
+            q, k, positions, cos_sin, interleaved, False, rotary_offset, None, mrope_interleaved
+        )
         return
     _require_tensor("q", q)
     _require_tensor("k", k, optional=True)
     _require_tensor("positions", positions)
     _require_tensor("cos_sin", cos_sin)
     _require_offset(rotary_offset)
+    mrope_section = _sections(mrope_section)
     _pre_check(positions, cos_sin)
-    rot = (positions, cos_sin, interleaved, rotary_offset)
+    rot = (positions, cos_sin, interleaved, rotary_offset, mrope_section, mrope_interleaved)
     if not (q.requires_grad or (k is not None and k.requires_grad)) or not torch.is_grad_enabled():
         _rotate_in_place(q, k, *rot)
         return
@@ -223,6 +256,26 @@ def _fake_checks(
         )
 
 
+def _fake_sections(positions: Tensor, cos_sin: Tensor, mrope_section, mrope_interleaved: bool) -> Tensor:
+    """The kernels' MRoPE checks; returns the positions of section 0 (what broadcasts to x)."""
+    if mrope_section is None:
+        if mrope_interleaved:
+            raise ValueError("mrope_interleaved needs mrope_section")
+        return positions
+    half = cos_sin.shape[-1] // 2
+    if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != half:
+        raise ValueError(
+            "mrope_section must be 3 non-negative ints (temporal, height, width) summing to "
+            f"rotary_dim / 2 = {half}, got {list(mrope_section)}"
+        )
+    if positions.dim() < 1 or positions.shape[0] != 3:
+        raise ValueError(
+            "positions must have a leading section dim of size 3 ([3, ...]) with mrope_section, "
+            f"got shape {list(positions.shape)}"
+        )
+    return positions[0]
+
+
 def _same_device(q: Tensor, k: Tensor) -> None:
     """Raises ``ValueError`` unless k is on q's device (as the real kernels do)."""
     if not isinstance(k, Tensor):
@@ -240,13 +293,34 @@ def _empty_output(x: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("rope_ext::rotary")
-def _rotary_fake(x, positions, cos_sin, interleaved=False, inverse=False, rotary_offset=0):
+def _rotary_fake(
+    x,
+    positions,
+    cos_sin,
+    interleaved=False,
+    inverse=False,
+    rotary_offset=0,
+    mrope_section=None,
+    mrope_interleaved=False,
+):
+    positions = _fake_sections(positions, cos_sin, mrope_section, mrope_interleaved)
     _fake_checks(x, positions, cos_sin, "x", rotary_offset)
     return _empty_output(x)
 
 
 @torch.library.register_fake("rope_ext::rotary_qk")
-def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False, rotary_offset=0):
+def _rotary_qk_fake(
+    q,
+    k,
+    positions,
+    cos_sin,
+    interleaved=False,
+    inverse=False,
+    rotary_offset=0,
+    mrope_section=None,
+    mrope_interleaved=False,
+):
+    positions = _fake_sections(positions, cos_sin, mrope_section, mrope_interleaved)
     _fake_checks(q, positions, cos_sin, "q", rotary_offset)
     _same_device(q, k)
     _fake_checks(k, positions, cos_sin, "k", rotary_offset)
@@ -254,7 +328,18 @@ def _rotary_qk_fake(q, k, positions, cos_sin, interleaved=False, inverse=False, 
 
 
 @torch.library.register_fake("rope_ext::rotary_qk_")
-def _rotary_qk_inplace_fake(q, k, positions, cos_sin, interleaved=False, inverse=False, rotary_offset=0):
+def _rotary_qk_inplace_fake(
+    q,
+    k,
+    positions,
+    cos_sin,
+    interleaved=False,
+    inverse=False,
+    rotary_offset=0,
+    mrope_section=None,
+    mrope_interleaved=False,
+):
+    positions = _fake_sections(positions, cos_sin, mrope_section, mrope_interleaved)
     _fake_checks(q, positions, cos_sin, "q", rotary_offset)
     if k is not None:
         _same_device(q, k)
@@ -270,35 +355,33 @@ def _last_dim_contiguous(g: Tensor) -> Tensor:
 
 
 def _setup(ctx, inputs, output):
-    positions, cos_sin, interleaved, inverse, rotary_offset = inputs[-5:]
+    positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved = inputs[-7:]
     ctx.save_for_backward(positions, cos_sin)
     ctx.interleaved = interleaved
     ctx.inverse = inverse
-    ctx.rotary_offset = rotary_offset
+    ctx.rest = (rotary_offset, mrope_section, mrope_interleaved)
 
 
 def _rotary_backward(ctx, grad):
     positions, cos_sin = ctx.saved_tensors
     dx = _ops.rotary.default(
-        _last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, not ctx.inverse, ctx.rotary_offset
+        _last_dim_contiguous(grad), positions, cos_sin, ctx.interleaved, not ctx.inverse, *ctx.rest
     )
-    return dx, None, None, None, None, None
+    return dx, None, None, None, None, None, None, None
 
 
 def _rotary_qk_backward(ctx, grad_q, grad_k):
     positions, cos_sin = ctx.saved_tensors
-    args = (positions, cos_sin, ctx.interleaved, not ctx.inverse, ctx.rotary_offset)
+    args = (positions, cos_sin, ctx.interleaved, not ctx.inverse, *ctx.rest)
     if grad_q is not None and grad_k is not None:
         dq, dk = _ops.rotary_qk.default(_last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), *args)
     else:
         dq = None if grad_q is None else _ops.rotary.default(_last_dim_contiguous(grad_q), *args)
         dk = None if grad_k is None else _ops.rotary.default(_last_dim_contiguous(grad_k), *args)
-    return dq, dk, None, None, None, None, None
+    return dq, dk, None, None, None, None, None, None, None
 
 
-def _rotate_in_place(
-    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool, rotary_offset: int
-) -> None:
+def _rotate_in_place(q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, *rest) -> None:
     """``rotary_qk_``; under ``torch.compile``, views go through the functional op and ``copy_``.
 
     Inductor (torch 2.14.1, ``dynamic=True``) hands a custom op's mutated view argument to the kernel
@@ -308,19 +391,22 @@ def _rotate_in_place(
     are not detected (eager calls raise): pass disjoint views.
     """
     if torch.compiler.is_compiling() and (q._base is not None or (k is not None and k._base is not None)):
-        _copy_rotated(q, k, positions, cos_sin, interleaved, rotary_offset)
+        _copy_rotated(q, k, positions, cos_sin, *rest)
         return
-    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False, rotary_offset)
+    interleaved, *more = rest
+    _ops.rotary_qk_.default(q, k, positions, cos_sin, interleaved, False, *more)
 
 
-def _copy_rotated(
-    q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, interleaved: bool, rotary_offset: int
-) -> None:
-    """The in-place rotation as the functional op plus ``copy_`` (both differentiable)."""
+def _copy_rotated(q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tensor, *rest) -> None:
+    """The in-place rotation as the functional op plus ``copy_`` (both differentiable).
+
+    ``rest``: ``interleaved, rotary_offset, mrope_section, mrope_interleaved``.
+    """
+    interleaved, *more = rest
     if k is None:
-        q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False, rotary_offset))
+        q.copy_(_ops.rotary.default(q, positions, cos_sin, interleaved, False, *more))
     else:
-        q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False, rotary_offset)
+        q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False, *more)
         q.copy_(q_rot)
         k.copy_(k_rot)
 
@@ -343,19 +429,19 @@ class _RotatedInPlace(torch.autograd.Function):
     backward rotates the incoming gradient by the inverse angle (the same kernel)."""
 
     @staticmethod
-    def forward(ctx, x, positions, cos_sin, interleaved, rotary_offset):
+    def forward(ctx, x, positions, cos_sin, interleaved, rotary_offset, mrope_section, mrope_interleaved):
         ctx.mark_dirty(x)
         ctx.save_for_backward(positions, cos_sin)
         ctx.interleaved = interleaved
-        ctx.rotary_offset = rotary_offset
+        ctx.rest = (rotary_offset, mrope_section, mrope_interleaved)
         return x
 
     @staticmethod
     def backward(ctx, grad):
         positions, cos_sin = ctx.saved_tensors
         g = _last_dim_contiguous(grad)
-        dx = _ops.rotary.default(g, positions, cos_sin, ctx.interleaved, True, ctx.rotary_offset)
-        return dx, None, None, None, None
+        dx = _ops.rotary.default(g, positions, cos_sin, ctx.interleaved, True, *ctx.rest)
+        return dx, None, None, None, None, None, None
 
 
 torch.library.register_autograd("rope_ext::rotary", _rotary_backward, setup_context=_setup)

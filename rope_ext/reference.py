@@ -9,9 +9,10 @@ Three independent forms of the same linear map (they agree to ~1e-15):
 Each takes the arguments of :func:`rope_ext.apply_rotary` (``x [..., head_dim]``, integer ``positions``
 broadcastable to ``x.shape[:-1]``, ``cos_sin [P, rotary_dim]`` = cos half then sin half) and returns a
 float64 tensor of x's shape; features ``[rotary_offset, rotary_offset + rotary_dim)`` are rotated, the
-others passed through. ``inverse=True`` rotates by the negative angle. Pairs are ``(j, j + rotary_dim/2)``
-(half-split, GPT-NeoX / HF ``rotate_half``) or
-``(2j, 2j+1)`` when ``interleaved`` (GPT-J / RoFormer / complex form).
+others passed through. ``inverse=True`` rotates by the negative angle. With ``mrope_section`` (MRoPE),
+``positions`` is ``[3, ...]`` and pair ``j`` uses the row of section ``mrope_rows(...)[j]``. Pairs are
+``(j, j + rotary_dim/2)`` (half-split, GPT-NeoX / HF ``rotate_half``) or ``(2j, 2j+1)`` when
+``interleaved`` (GPT-J / RoFormer / complex form).
 
 Also here, the HF-style eager formula as transformers writes it, in the input dtype (the baseline the
 benchmark times, not a float64 reference): :func:`hf_apply_rotary_pos_emb` with its helpers
@@ -29,6 +30,7 @@ __all__ = [
     "rotary_matrix",
     "rotary_complex",
     "rotary_hadamard",
+    "mrope_rows",
     "rotate_half",
     "hf_rotate_half",
     "hf_rotate_every_two",
@@ -50,11 +52,32 @@ def cos_sin_table(n_positions: int, rotary_dim: int, base: float = 10000.0) -> T
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def _cos_sin(x: Tensor, positions: Tensor, cos_sin: Tensor, inverse: bool) -> tuple[Tensor, Tensor]:
+def mrope_rows(half: int, mrope_section, mrope_interleaved: bool = False) -> Tensor:
+    """MRoPE: the section (0 temporal, 1 height, 2 width) whose position rotates each of the ``half`` pairs,
+    int64 ``[half]``. Contiguous sections (Qwen2-VL): ``t`` pairs, then ``h``, then ``w``. Interleaved
+    (Qwen3-VL): pair ``j`` is height when ``j % 3 == 1 and j < 3 h``, width when ``j % 3 == 2 and
+    j < 3 w``, else temporal."""
+    t, hh, w = mrope_section
+    j = torch.arange(half)
+    if mrope_interleaved:
+        rows = torch.zeros(half, dtype=torch.long)
+        rows[(j % 3 == 1) & (j < 3 * hh)] = 1
+        rows[(j % 3 == 2) & (j < 3 * w)] = 2
+        return rows
+    return (j >= t).long() + (j >= t + hh).long()
+
+
+def _cos_sin(
+    x: Tensor, positions: Tensor, cos_sin: Tensor, inverse: bool, mrope_section=None, mrope_interleaved=False
+) -> tuple[Tensor, Tensor]:
     """Per-row cos and sin, float64 ``[*x.shape[:-1], rotary_dim / 2]``."""
     rows = cos_sin.to(torch.float64)[positions.long()]
     h = cos_sin.shape[-1] // 2
     c, s = rows[..., :h], rows[..., h:]
+    if mrope_section is not None:  # rows [3, ..., rotary_dim]: pair j from its section's row
+        sec = mrope_rows(h, mrope_section, mrope_interleaved).to(rows.device)
+        c = torch.where(sec == 0, c[0], torch.where(sec == 1, c[1], c[2]))
+        s = torch.where(sec == 0, s[0], torch.where(sec == 1, s[1], s[2]))
     if inverse:
         s = -s
     shape = (*x.shape[:-1], h)
@@ -79,10 +102,19 @@ def _with_pass(x: Tensor, rotated: Tensor, rotary_dim: int) -> Tensor:
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
 
-def _at_offset(form, x: Tensor, positions, cos_sin, interleaved, inverse, rotary_offset: int) -> Tensor:
+def _at_offset(form, x: Tensor, positions, cos_sin, interleaved, inverse, rotary_offset, *mrope) -> Tensor:
     """``form`` on the features from ``rotary_offset`` on; the ones before it pass through."""
     x = x.to(torch.float64)
-    tail = form(x[..., rotary_offset:], positions, cos_sin, interleaved=interleaved, inverse=inverse)
+    sec, il = mrope
+    tail = form(
+        x[..., rotary_offset:],
+        positions,
+        cos_sin,
+        interleaved=interleaved,
+        inverse=inverse,
+        mrope_section=sec,
+        mrope_interleaved=il,
+    )
     return torch.cat([x[..., :rotary_offset], tail], dim=-1)
 
 
@@ -94,13 +126,25 @@ def rotary_matrix(
     interleaved: bool = False,
     inverse: bool = False,
     rotary_offset: int = 0,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
 ) -> Tensor:
     """Rotation-matrix form: ``x' = x R(p)`` with ``R(p)`` block-diagonal 2x2 rotations (RoFormer)."""
     if rotary_offset:
-        return _at_offset(rotary_matrix, x, positions, cos_sin, interleaved, inverse, rotary_offset)
+        return _at_offset(
+            rotary_matrix,
+            x,
+            positions,
+            cos_sin,
+            interleaved,
+            inverse,
+            rotary_offset,
+            mrope_section,
+            mrope_interleaved,
+        )
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
-    c, s = _cos_sin(x, positions, cos_sin, inverse)
+    c, s = _cos_sin(x, positions, cos_sin, inverse, mrope_section, mrope_interleaved)
     R = torch.zeros(*x.shape[:-1], r, r, dtype=torch.float64, device=x.device)
     j = torch.arange(r // 2, device=x.device)
     i1, i2 = (2 * j, 2 * j + 1) if interleaved else (j, j + r // 2)
@@ -121,13 +165,25 @@ def rotary_complex(
     interleaved: bool = False,
     inverse: bool = False,
     rotary_offset: int = 0,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
 ) -> Tensor:
     """Complex form: pair ``j`` is ``z_j = x1 + i x2`` and ``z_j' = z_j e^{i a_j}`` (Meta's Llama)."""
     if rotary_offset:
-        return _at_offset(rotary_complex, x, positions, cos_sin, interleaved, inverse, rotary_offset)
+        return _at_offset(
+            rotary_complex,
+            x,
+            positions,
+            cos_sin,
+            interleaved,
+            inverse,
+            rotary_offset,
+            mrope_section,
+            mrope_interleaved,
+        )
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
-    c, s = _cos_sin(x, positions, cos_sin, inverse)
+    c, s = _cos_sin(x, positions, cos_sin, inverse, mrope_section, mrope_interleaved)
     x1, x2 = _pairs(x, r, interleaved)
     z = torch.view_as_complex(torch.stack([x1, x2], dim=-1).contiguous())
     w = torch.view_as_complex(torch.stack([c, s], dim=-1).contiguous())
@@ -149,13 +205,25 @@ def rotary_hadamard(
     interleaved: bool = False,
     inverse: bool = False,
     rotary_offset: int = 0,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
 ) -> Tensor:
     """Element-wise form: ``x' = x * cos + rot(x) * sin``, ``rot`` swapping each pair with a sign."""
     if rotary_offset:
-        return _at_offset(rotary_hadamard, x, positions, cos_sin, interleaved, inverse, rotary_offset)
+        return _at_offset(
+            rotary_hadamard,
+            x,
+            positions,
+            cos_sin,
+            interleaved,
+            inverse,
+            rotary_offset,
+            mrope_section,
+            mrope_interleaved,
+        )
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
-    c, s = _cos_sin(x, positions, cos_sin, inverse)
+    c, s = _cos_sin(x, positions, cos_sin, inverse, mrope_section, mrope_interleaved)
     x1, x2 = _pairs(x, r, interleaved)
     cos = _unpairs(c, c, interleaved)
     sin = _unpairs(s, s, interleaved)

@@ -19,7 +19,7 @@ from _helpers import HAS_CUDA, skip_without_emulation
 import rope_ext
 
 BACKENDS = ["cpu", "cuda", "emu-tokens", "emu-heads", "emu-scalar"]
-_EMULATION = {"emu-tokens": (1, False), "emu-heads": (100_000, False), "emu-scalar": (4, True)}
+EMULATION = {"emu-tokens": (1, False), "emu-heads": (100_000, False), "emu-scalar": (4, True)}
 
 
 def device_of(backend: str) -> torch.device:
@@ -27,7 +27,7 @@ def device_of(backend: str) -> torch.device:
         if not HAS_CUDA:
             pytest.skip("no CUDA device")
         return torch.device("cuda")
-    if backend in _EMULATION:
+    if backend in EMULATION:
         skip_without_emulation()
     return torch.device("cpu")
 
@@ -35,7 +35,7 @@ def device_of(backend: str) -> torch.device:
 def emulate(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False, rotary_offset=0):
     """Runs the CUDA kernel body on the host; returns (q_out, k_out, launch)."""
     skip_without_emulation()
-    num_sms, scalar = _EMULATION[backend]
+    num_sms, scalar = EMULATION[backend]
     q_out = q if inplace else torch.empty_like(q)
     k_out = None if k is None else (k if inplace else torch.empty_like(k))
     launch = torch.ops.rope_ext._cuda_emulated(

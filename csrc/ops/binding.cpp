@@ -225,6 +225,7 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                              const at::Tensor* k_in, const at::Tensor* k_out,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
                              bool interleaved, bool inverse, int64_t rotary_offset,
+                             at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
                              const char* q_name) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
@@ -269,20 +270,44 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   TORCH_CHECK_VALUE(positions.device() == q_in.device(), "positions must be on the device of ",
                     xname, " (", q_in.device(), "), got ", positions.device());
 
+  // MRoPE: positions [3, ...]; the broadcast below is of positions[0], and
+  // sections 1 and 2 sit at the same offsets plus a multiple of stride(0).
+  const bool mrope = mrope_section.has_value();
+  TORCH_CHECK_VALUE(mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
+  int mrope_sec[3] = {0, 0, 0};
+  int64_t section_stride = 0;
+  at::Tensor pos_tokens = positions;
+  if (mrope) {
+    const auto sec = *mrope_section;
+    const bool ok = sec.size() == 3 && sec[0] >= 0 && sec[1] >= 0 && sec[2] >= 0 &&
+                    sec[0] + sec[1] + sec[2] == rotary_dim / 2;
+    TORCH_CHECK_VALUE(ok,
+                      "mrope_section must be 3 non-negative ints (temporal, height, width) summing "
+                      "to rotary_dim / 2 = ",
+                      rotary_dim / 2, ", got ", shape_str(sec));
+    TORCH_CHECK_VALUE(positions.dim() >= 1 && positions.size(0) == 3,
+                      "positions must have a leading section dim of size 3 ([3, ...]) with "
+                      "mrope_section, got shape ",
+                      shape_str(positions.sizes()));
+    for (int s = 0; s < 3; ++s) mrope_sec[s] = int(sec[s]);
+    section_stride = positions.stride(0);
+    pos_tokens = positions.select(0, 0);
+  }
+
   const int64_t n = q_in.dim() - 1;
   const at::IntArrayRef qb = q_in.sizes().slice(0, n);
   const at::IntArrayRef kb = k_in ? k_in->sizes().slice(0, n) : qb;
   auto not_broadcastable = [&](const char* target, at::IntArrayRef shape) {
-    return c10::str("positions of shape ", shape_str(positions.sizes()),
+    return c10::str("positions of shape ", shape_str(pos_tokens.sizes()),
                     " must be broadcastable to ", target, ".shape[:-1] = ", shape_str(shape));
   };
-  TORCH_CHECK_VALUE(positions.dim() <= n, not_broadcastable(xname, qb));
+  TORCH_CHECK_VALUE(pos_tokens.dim() <= n, not_broadcastable(xname, qb));
 
   std::vector<Dim> tok, qh, kh;
   for (int64_t d = 0; d < n; ++d) {
-    const int64_t pd = d - (n - positions.dim());
-    const int64_t psize = pd >= 0 ? positions.size(pd) : 1;
-    const int64_t pstride = pd >= 0 && psize > 1 ? positions.stride(pd) : 0;
+    const int64_t pd = d - (n - pos_tokens.dim());
+    const int64_t psize = pd >= 0 ? pos_tokens.size(pd) : 1;
+    const int64_t pstride = pd >= 0 && psize > 1 ? pos_tokens.stride(pd) : 0;
     TORCH_CHECK_VALUE(psize == 1 || psize == qb[d], not_broadcastable(xname, qb));
     TORCH_CHECK_VALUE(psize == 1 || psize == kb[d], not_broadcastable("k", kb));
     const int64_t qin = q_in.stride(d), qout = q_out.stride(d);
@@ -323,7 +348,10 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
     p.t[1].copy_pass = !k_out->is_same(*k_in);
     fill_heads(p.t[1], coalesce(kh, 2));
   }
-  p.positions = positions.data_ptr();
+  p.positions = pos_tokens.data_ptr();
+  for (int i = 0; i < 3; ++i) p.mrope_section[i] = mrope_sec[i];
+  p.mrope_interleaved = mrope_interleaved;
+  p.pos_section_stride = section_stride;
   p.pos_int64 = positions.scalar_type() == at::kLong;
   p.cos_sin = cos_sin.data_ptr();
   p.cs_row_stride = cos_sin.stride(0);
@@ -339,13 +367,16 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
 }
 
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
+  const int sections = rope::is_mrope(p) ? 3 : 1;
   for (int64_t t = 0; t < p.n_tokens; ++t) {
-    const int64_t off = rope::token_offsets(p, t).pos;
-    const int64_t pos =
-        p.pos_int64 ? rope::load_position<int64_t>(p, off) : rope::load_position<int32_t>(p, off);
-    if (!rope::position_in_cache(p, pos)) {
-      *value = pos;
-      return t;
+    for (int s = 0; s < sections; ++s) {
+      const int64_t off = rope::token_offsets(p, t).pos + s * p.pos_section_stride;
+      const int64_t pos =
+          p.pos_int64 ? rope::load_position<int64_t>(p, off) : rope::load_position<int32_t>(p, off);
+      if (!rope::position_in_cache(p, pos)) {
+        *value = pos;
+        return t;
+      }
     }
   }
   return -1;
@@ -374,11 +405,13 @@ at::Tensor empty_output(const at::Tensor& x) {
 }  // namespace
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                  bool interleaved, bool inverse, int64_t rotary_offset, const Backend& backend) {
+                  bool interleaved, bool inverse, int64_t rotary_offset,
+                  at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
+                  const Backend& backend) {
   check_input(x, "x");
   at::Tensor out = empty_output(x);
   const auto p = make_params(x, out, nullptr, nullptr, positions, cos_sin, interleaved, inverse,
-                             rotary_offset);
+                             rotary_offset, mrope_section, mrope_interleaved);
   run(p, x, backend);
   return out;
 }
@@ -386,22 +419,24 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& positions, const at::Tensor& cos_sin,
                                              bool interleaved, bool inverse, int64_t rotary_offset,
-                                             const Backend& backend) {
+                                             at::OptionalIntArrayRef mrope_section,
+                                             bool mrope_interleaved, const Backend& backend) {
   check_input(q, "q");
   check_input(k, "k");
   at::Tensor q_out = empty_output(q), k_out = empty_output(k);
-  const auto p =
-      make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse, rotary_offset);
+  const auto p = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse,
+                             rotary_offset, mrope_section, mrope_interleaved);
   run(p, q, backend);
   return {q_out, k_out};
 }
 
 void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
                 const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
-                bool inverse, int64_t rotary_offset, const Backend& backend) {
+                bool inverse, int64_t rotary_offset, at::OptionalIntArrayRef mrope_section,
+                bool mrope_interleaved, const Backend& backend) {
   const at::Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
-  const auto p =
-      make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, rotary_offset, "q");
+  const auto p = make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, rotary_offset,
+                             mrope_section, mrope_interleaved, "q");
   check_writable(q, kp);
   run(p, q, backend);
 }

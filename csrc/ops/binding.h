@@ -22,18 +22,22 @@ struct Backend {
 
 // rope_ext::rotary
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                  bool interleaved, bool inverse, int64_t rotary_offset, const Backend& backend);
+                  bool interleaved, bool inverse, int64_t rotary_offset,
+                  at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
+                  const Backend& backend);
 
 // rope_ext::rotary_qk
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& positions, const at::Tensor& cos_sin,
                                              bool interleaved, bool inverse, int64_t rotary_offset,
-                                             const Backend& backend);
+                                             at::OptionalIntArrayRef mrope_section,
+                                             bool mrope_interleaved, const Backend& backend);
 
 // rope_ext::rotary_qk_ (in place)
 void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
                 const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
-                bool inverse, int64_t rotary_offset, const Backend& backend);
+                bool inverse, int64_t rotary_offset, at::OptionalIntArrayRef mrope_section,
+                bool mrope_interleaved, const Backend& backend);
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws ValueError / TypeError / IndexError-style c10
@@ -43,6 +47,7 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                              const at::Tensor* k_in, const at::Tensor* k_out,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
                              bool interleaved, bool inverse, int64_t rotary_offset,
+                             at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
                              const char* q_name = nullptr);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached

@@ -12,7 +12,8 @@ std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::
                                    const at::Tensor& q_out, const std::optional<at::Tensor>& k_out,
                                    const at::Tensor& positions, const at::Tensor& cos_sin,
                                    bool interleaved, bool inverse, int64_t num_sms,
-                                   bool force_scalar, int64_t rotary_offset) {
+                                   bool force_scalar, int64_t rotary_offset,
+                                   at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
   const at::Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
   const at::Tensor* kop = k_out.has_value() && k_out->defined() ? &*k_out : nullptr;
   TORCH_CHECK_VALUE((kp == nullptr) == (kop == nullptr), "k and k_out must be given together");
@@ -20,8 +21,8 @@ std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::
                     "q_out must match q in shape and dtype");
   TORCH_CHECK_VALUE(!kp || (kop->sizes() == kp->sizes() && kop->dtype() == kp->dtype()),
                     "k_out must match k in shape and dtype");
-  const auto p =
-      make_params(q, q_out, kp, kop, positions, cos_sin, interleaved, inverse, rotary_offset);
+  const auto p = make_params(q, q_out, kp, kop, positions, cos_sin, interleaved, inverse,
+                             rotary_offset, mrope_section, mrope_interleaved);
   check_writable(q_out, kop);
   const auto l = rope::gpu::plan_launch(p, num_sms, force_scalar);
   if (rope::gpu::has_work(p, l)) {

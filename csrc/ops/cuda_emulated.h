@@ -19,6 +19,7 @@ std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::
                                    const at::Tensor& q_out, const std::optional<at::Tensor>& k_out,
                                    const at::Tensor& positions, const at::Tensor& cos_sin,
                                    bool interleaved, bool inverse, int64_t num_sms,
-                                   bool force_scalar, int64_t rotary_offset);
+                                   bool force_scalar, int64_t rotary_offset,
+                                   at::OptionalIntArrayRef mrope_section, bool mrope_interleaved);
 
 }  // namespace rope_ext

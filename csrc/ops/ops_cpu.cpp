@@ -37,21 +37,28 @@ void launch_cpu(const rope::RopeParams& p, const at::Tensor&) {
 constexpr Backend kCpu{check_positions_cpu, launch_cpu};
 
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                      bool interleaved, bool inverse, int64_t rotary_offset) {
-  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, kCpu);
+                      bool interleaved, bool inverse, int64_t rotary_offset,
+                      at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+                mrope_interleaved, kCpu);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& positions,
                                                  const at::Tensor& cos_sin, bool interleaved,
-                                                 bool inverse, int64_t rotary_offset) {
-  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, kCpu);
+                                                 bool inverse, int64_t rotary_offset,
+                                                 at::OptionalIntArrayRef mrope_section,
+                                                 bool mrope_interleaved) {
+  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+                   mrope_interleaved, kCpu);
 }
 
 void rotary_qk_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>& k,
                            const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
-                           bool inverse, int64_t rotary_offset) {
-  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, kCpu);
+                           bool inverse, int64_t rotary_offset,
+                           at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+             mrope_interleaved, kCpu);
 }
 
 }  // namespace

@@ -39,21 +39,28 @@ void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
 constexpr Backend kCuda{nullptr, launch_cuda};
 
 at::Tensor rotary_cuda(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                       bool interleaved, bool inverse, int64_t rotary_offset) {
-  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, kCuda);
+                       bool interleaved, bool inverse, int64_t rotary_offset,
+                       at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+                mrope_interleaved, kCuda);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_qk_cuda(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& positions,
                                                   const at::Tensor& cos_sin, bool interleaved,
-                                                  bool inverse, int64_t rotary_offset) {
-  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, kCuda);
+                                                  bool inverse, int64_t rotary_offset,
+                                                  at::OptionalIntArrayRef mrope_section,
+                                                  bool mrope_interleaved) {
+  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+                   mrope_interleaved, kCuda);
 }
 
 void rotary_qk_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
                             const at::Tensor& positions, const at::Tensor& cos_sin,
-                            bool interleaved, bool inverse, int64_t rotary_offset) {
-  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, kCuda);
+                            bool interleaved, bool inverse, int64_t rotary_offset,
+                            at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+             mrope_interleaved, kCuda);
 }
 
 }  // namespace

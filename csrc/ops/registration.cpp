@@ -17,18 +17,23 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(rope_ext, m) {
   // Rotates x [..., head_dim] by cos_sin[positions] (positions broadcast to
   // x.shape[:-1]): features [rotary_offset, rotary_offset + rotary_dim), with
-  // rotary_dim = cos_sin.shape[-1]; the others are copied.
+  // rotary_dim = cos_sin.shape[-1]; the others are copied. With mrope_section
+  // (t, h, w), positions is [3, ...] and each pair takes the position of its
+  // section (contiguous, or interleaved with mrope_interleaved).
   m.def(
       "rotary(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved=False, "
-      "bool inverse=False, int rotary_offset=0) -> Tensor");
+      "bool inverse=False, int rotary_offset=0, int[]? mrope_section=None, "
+      "bool mrope_interleaved=False) -> Tensor");
   // rotary of q and of k with the same positions, in one launch.
   m.def(
       "rotary_qk(Tensor q, Tensor k, Tensor positions, Tensor cos_sin, bool interleaved=False, "
-      "bool inverse=False, int rotary_offset=0) -> (Tensor, Tensor)");
+      "bool inverse=False, int rotary_offset=0, int[]? mrope_section=None, "
+      "bool mrope_interleaved=False) -> (Tensor, Tensor)");
   // In-place rotary of q and (optionally) k, in one launch.
   m.def(
       "rotary_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
-      "bool interleaved=False, bool inverse=False, int rotary_offset=0) -> ()");
+      "bool interleaved=False, bool inverse=False, int rotary_offset=0, "
+      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
 #if defined(ROPE_EXT_TESTING)
   // Test builds only (ROPE_EXT_TESTING=1): the CUDA kernel body run on the CPU
   // over the CUDA grid, writing into q_out / k_out (which may be q / k).
@@ -38,7 +43,7 @@ TORCH_LIBRARY(rope_ext, m) {
   m.def(
       "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
       "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar, "
-      "int rotary_offset=0) -> int[]");
+      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
 #endif
   // Whether this build contains the CUDA kernels.
   m.def("_built_with_cuda() -> bool", [] {

@@ -99,8 +99,9 @@ struct HeadWalker {
 };
 
 // Rotates tokens [begin, end): per token, one position and one cos/sin row are
-// read and turned into `tab` (sign of sin flipped for the inverse), then every
-// head of q and k is rotated with it by Head::rotate.
+// read (MRoPE: three positions, each pair from the row of its section) and
+// turned into `tab` (sign of sin flipped for the inverse), then every head of
+// q and k is rotated with it by Head::rotate.
 template <class T, class CS, class Pos, bool Interleaved, class Head>
 void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   using A = typename Acc<T>::type;
@@ -110,11 +111,28 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   std::vector<A> tab(size_t(Head::kTabPerFeature) * size_t(r));
   const CS* cs = static_cast<const CS*>(p.cos_sin);
   const A sign = p.inverse ? A(-1) : A(1);
+  const bool mrope = is_mrope(p);
+  std::vector<CS> merged(mrope ? size_t(r) : 0);  // MRoPE: the token's cos/sin row, pair by pair
 
   for (int64_t token = begin; token < end; ++token) {
     const TokenOffsets o = token_offsets(p, token);
-    const int64_t pos = load_position<Pos>(p, o.pos);
-    if (!position_in_cache(p, pos)) {
+    if (mrope) {
+      // Each pair from the row of its section's position (NaN where that is
+      // outside the cache), then the table as usual.
+      int64_t pos3[3];
+      for (int s = 0; s < 3; ++s) pos3[s] = load_position<Pos>(p, o.pos + s * p.pos_section_stride);
+      const int h = r / 2;
+      for (int j = 0; j < h; ++j) {
+        const int64_t pj = pos3[mrope_row(p, j)];
+        if (position_in_cache(p, pj)) {
+          merged[j] = cs[pj * p.cs_row_stride + j];
+          merged[h + j] = cs[pj * p.cs_row_stride + h + j];
+        } else {
+          merged[j] = merged[h + j] = Store<CS>::from(std::numeric_limits<float>::quiet_NaN());
+        }
+      }
+      Head::template build_table<T, CS, Interleaved, A>(merged.data(), sign, tab.data(), r);
+    } else if (const int64_t pos = load_position<Pos>(p, o.pos); !position_in_cache(p, pos)) {
       // Never read outside the cache: the rotated features become NaN.
       std::fill(tab.begin(), tab.end(), std::numeric_limits<A>::quiet_NaN());
     } else {

@@ -284,7 +284,21 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
       const bool rot = lane < l.n_rot_units;
       const int64_t j0 = lane * P;  // first pair of this unit
       A cv[P] = {}, sv[P] = {};
-      if (rot) {
+      if (rot && is_mrope(p)) {
+        // MRoPE: each pair from the row of its section's position.
+        ROPE_UNROLL
+        for (int k = 0; k < P; ++k) {
+          const int j = int(j0) + k;
+          const int64_t pos = load_position<Pos>(p, o.pos + mrope_row(p, j) * p.pos_section_stride);
+          if (position_in_cache(p, pos)) {
+            cv[k] = A(to_acc(cs[pos * p.cs_row_stride + j]));
+            const A s = A(to_acc(cs[pos * p.cs_row_stride + h + j]));
+            sv[k] = p.inverse ? -s : s;
+          } else {
+            cv[k] = sv[k] = A(NAN);
+          }
+        }
+      } else if (rot) {
         const int64_t pos = load_position<Pos>(p, o.pos);
         if (position_in_cache(p, pos)) {
           CS cr[P], sr[P];

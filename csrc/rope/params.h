@@ -65,6 +65,15 @@ struct RopeParams {
   const void* positions;  // int32 or int64 (pos_int64), one per token
   int64_t pos_stride[kMaxDims];
 
+  // MRoPE (multimodal rotary, Qwen2-VL / Qwen3-VL): when mrope_section is not
+  // all zero, a token has three positions (temporal, height, width), section s
+  // at offset s * pos_section_stride from its position, and pair j takes its
+  // cos/sin from the position of section mrope_row(p, j) (rope.h). The
+  // sections sum to rotary_dim / 2.
+  int mrope_section[3];
+  bool mrope_interleaved;  // Qwen3-VL's interleaved sections, else contiguous
+  int64_t pos_section_stride;
+
   // [n_cache_rows, rotary_dim]: cos(p inv_j) for j < rotary_dim/2, then
   // sin(p inv_j). A position outside [0, n_cache_rows) is never read: that
   // token's rotated features become NaN.

@@ -183,6 +183,23 @@ ROPE_HD bool position_in_cache(const RopeParams& p, int64_t pos) {
   return pos >= 0 && pos < p.n_cache_rows;
 }
 
+ROPE_HD bool is_mrope(const RopeParams& p) {
+  return p.mrope_section[0] + p.mrope_section[1] + p.mrope_section[2] > 0;
+}
+
+// MRoPE: the section (0 temporal, 1 height, 2 width) whose position rotates
+// pair j. Contiguous sections (Qwen2-VL, Qwen2.5-VL): the first t pairs, the
+// next h, the last w. Interleaved (Qwen3-VL): pairs 1, 4, 7, .. below 3h take
+// height, pairs 2, 5, 8, .. below 3w take width, all others temporal.
+ROPE_HD int mrope_row(const RopeParams& p, int j) {
+  if (p.mrope_interleaved) {
+    if (j % 3 == 1 && j < 3 * p.mrope_section[1]) return 1;
+    if (j % 3 == 2 && j < 3 * p.mrope_section[2]) return 2;
+    return 0;
+  }
+  return j < p.mrope_section[0] ? 0 : j < p.mrope_section[0] + p.mrope_section[1] ? 1 : 2;
+}
+
 // Calls f.template operator()<T, CS, Pos, Interleaved>() for the runtime types of p.
 template <class F>
 void dispatch_types(const RopeParams& p, F&& f) {

@@ -1,0 +1,238 @@
+"""MRoPE (multimodal rotary, Qwen2-VL / Qwen2.5-VL / Qwen3-VL): ``positions [3, ...]`` with
+``mrope_section=(t, h, w)``, contiguous or interleaved sections, on every op and backend, against the float64
+reference and the installed transformers' rotary modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import DTYPES, assert_close_to_reference, make_cos_sin
+from backends import BACKENDS, EMULATION, device_of
+from torch.library import opcheck
+
+import rope_ext
+from rope_ext import reference
+
+OPS = torch.ops.rope_ext
+# (rotary_dim, sections, interleaved sections): Qwen2-VL / Qwen2.5-VL, Qwen3-VL, small and lopsided ones.
+CONFIGS = [
+    (128, (16, 24, 24), False),
+    (128, (24, 20, 20), True),
+    (64, (8, 12, 12), False),
+    (64, (10, 11, 11), True),
+    (12, (0, 6, 0), False),
+    (14, (3, 1, 3), True),
+]
+
+
+def _inputs(dtype, rotary_dim, head_dim=None, tokens=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = head_dim or rotary_dim
+    q = torch.randn(tokens, 4, D, generator=g).to(dtype)
+    k = torch.randn(tokens, 2, D, generator=g).to(dtype)
+    pos = torch.randint(0, 300, (3, tokens, 1), generator=g)
+    return q, k, pos, make_cos_sin(300, rotary_dim)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_mrope_matches_reference(backend, dtype, interleaved, inplace):
+    device = device_of(backend)
+    for i, (R, sec, mil) in enumerate(CONFIGS):
+        q, k, pos, cs = (t.to(device) for t in _inputs(dtype, R, R + 6, seed=i))
+        kw = dict(interleaved=interleaved, mrope_section=sec, mrope_interleaved=mil)
+        if backend.startswith("emu"):
+            qo, ko = (q.clone(), k.clone()) if inplace else (torch.empty_like(q), torch.empty_like(k))
+            num_sms, scalar = EMULATION[backend]
+            src_q, src_k = (qo, ko) if inplace else (q, k)
+            OPS._cuda_emulated(
+                src_q, src_k, qo, ko, pos, cs, interleaved, False, num_sms, scalar, 0, list(sec), mil
+            )
+        elif inplace:
+            qo, ko = q.clone(), k.clone()
+            rope_ext.apply_rotary_qk_(qo, ko, pos, cs, **kw)
+        else:
+            qo, ko = rope_ext.apply_rotary_qk(q, k, pos, cs, **kw)
+        for x, out in ((q, qo), (k, ko)):
+            ref = reference.rotary_hadamard(x.cpu(), pos.cpu(), cs.cpu(), **kw)
+            assert_close_to_reference(out.cpu(), ref, float(x.abs().max()))
+
+
+def test_text_tokens_equal_plain_rotary():
+    """All three rows equal (text-only tokens): MRoPE is the ordinary rotation, bit for bit."""
+    for R, sec, mil in CONFIGS:
+        q, k, pos, cs = _inputs(torch.bfloat16, R, R + 2)
+        same = pos[:1].expand(3, -1, -1)
+        for il in (False, True):
+            a = rope_ext.apply_rotary_qk(
+                q, k, same, cs, interleaved=il, mrope_section=sec, mrope_interleaved=mil
+            )
+            b = rope_ext.apply_rotary_qk(q, k, pos[0], cs, interleaved=il)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_three_reference_forms_agree_with_mrope():
+    x = torch.randn(5, 3, 70, dtype=torch.float64)
+    pos = torch.randint(0, 40, (3, 5, 1))
+    cs = reference.cos_sin_table(40, 64)
+    for sec, mil in (((8, 12, 12), False), ((10, 11, 11), True)):
+        for il in (False, True):
+            kw = dict(interleaved=il, mrope_section=sec, mrope_interleaved=mil, rotary_offset=4)
+            forms = [
+                f(x, pos, cs, **kw)
+                for f in (reference.rotary_matrix, reference.rotary_complex, reference.rotary_hadamard)
+            ]
+            torch.testing.assert_close(forms[0], forms[1], rtol=0, atol=1e-13)
+            torch.testing.assert_close(forms[0], forms[2], rtol=0, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Against transformers: the section logic lives in each model's rotary module (recomposition_frequencies).
+
+
+def _hf_rotary(model: str, sections, head_dim=128):
+    if model == "qwen2_vl":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig as Config
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding as Rotary
+    elif model == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding as Rotary
+    else:
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Rotary
+    params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(sections)}
+    if model == "qwen3_vl":
+        params["mrope_interleaved"] = True
+    cfg = Config(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        rope_parameters=params,
+    )
+    return Rotary(cfg)
+
+
+HF_MODELS = [
+    ("qwen2_vl", (16, 24, 24), False),
+    ("qwen2_5_vl", (16, 24, 24), False),
+    ("qwen3_vl", (24, 20, 20), True),
+]
+
+
+@pytest.mark.parametrize("model,sections,interleaved_sections", HF_MODELS)
+def test_section_of_every_pair_matches_transformers(model, sections, interleaved_sections):
+    """Feed the module's recomposition a frequency tensor whose section s holds the value s: what comes out
+    names, pair by pair, the section transformers uses; rope_ext's must be the same."""
+    rot = _hf_rotary(model, sections)
+    freq = torch.arange(3, dtype=torch.float64).view(3, 1, 1, 1).expand(3, 1, 1, 64).clone()
+    out = rot.recomposition_frequencies(freq)[0, 0, :64]
+    assert torch.equal(out.long(), reference.mrope_rows(64, sections, interleaved_sections))
+
+
+@pytest.mark.parametrize("model,sections,interleaved_sections", HF_MODELS)
+@pytest.mark.parametrize("text_only", [False, True])
+def test_rotation_matches_transformers(model, sections, interleaved_sections, text_only):
+    """q and k rotated by transformers (its rotary module + apply_rotary_pos_emb) and by rope_ext.
+    transformers computes the angles in float32, so the two agree to float32 angle error (positions < 512:
+    < 2e-4 * max|x|); rope_ext also meets its contract against the float64 reference."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rot = _hf_rotary(model, sections)
+    g = torch.Generator().manual_seed(11)
+    B, S = 2, 9
+    pid = torch.randint(0, 512, (3, B, S), generator=g)
+    if text_only:
+        pid = pid[:1].expand(3, -1, -1)
+    q = torch.randn(B, 4, S, 128, generator=g)
+    k = torch.randn(B, 2, S, 128, generator=g)
+    cos, sin = rot(q, pid)
+    hq, hk = apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+    cs = rope_ext.RopeCache(128, max_positions=512).cos_sin
+    kw = dict(mrope_section=sections, mrope_interleaved=interleaved_sections)
+    oq, ok = rope_ext.apply_rotary_qk(q, k, pid[:, :, None, :], cs, **kw)
+    for ours, theirs, x in ((oq, hq, q), (ok, hk, k)):
+        assert (ours.double() - theirs).abs().max() < 2e-4 * x.abs().max()
+        ref = reference.rotary_hadamard(x, pid[:, :, None, :], cs, **kw)
+        assert_close_to_reference(ours, ref, float(x.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autograd, opcheck, compile, errors.
+
+
+def test_gradcheck_with_mrope():
+    cs = make_cos_sin(30, 12).double()
+    x = torch.randn(4, 2, 14, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4, 1, 14, dtype=torch.float64, requires_grad=True)
+    pos = torch.randint(0, 30, (3, 4, 1))
+    for il in (False, True):
+        kw = dict(mrope_section=(3, 1, 2), mrope_interleaved=il, rotary_offset=2)
+        assert torch.autograd.gradcheck(lambda t, kw=kw: rope_ext.apply_rotary(t, pos, cs, **kw), (x,))
+        assert torch.autograd.gradcheck(
+            lambda a, b, kw=kw: rope_ext.apply_rotary_qk(a, b, pos, cs, **kw), (x, k)
+        )
+
+        def inplace(a, b, kw=kw):
+            a, b = a * 1, b * 1
+            rope_ext.apply_rotary_qk_(a, b, pos, cs, **kw)
+            return a, b
+
+        assert torch.autograd.gradcheck(inplace, (x, k))
+
+
+def test_opcheck_with_mrope():
+    q, k, pos, cs = _inputs(torch.float32, 64, 64)
+    sec = [8, 12, 12]
+    opcheck(OPS.rotary.default, (q.requires_grad_(True), pos, cs, False, False, 0, sec, False))
+    opcheck(OPS.rotary_qk.default, (q.detach(), k, pos.int(), cs, True, True, 0, sec, True))
+    opcheck(OPS.rotary_qk_.default, (q.detach().clone(), k.clone(), pos, cs, False, False, 0, sec, True))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_with_mrope(dynamic):
+    cs = make_cos_sin(300, 64)
+
+    def f(q, k, pos):
+        rope_ext.apply_rotary_qk_(q, k, pos, cs, mrope_section=(8, 12, 12))
+        return rope_ext.apply_rotary(q, pos, cs, mrope_section=(10, 11, 11), mrope_interleaved=True) + 1
+
+    q, k, pos, _ = _inputs(torch.float32, 64, 64)
+    a = (q.clone(), k.clone())
+    b = (q.clone(), k.clone())
+    want = f(*a, pos)
+    got = torch.compile(f, fullgraph=True, dynamic=dynamic)(*b, pos)
+    assert torch.equal(got, want) and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_bad_mrope_arguments_are_rejected_before_any_write():
+    q, k, pos, cs = _inputs(torch.float32, 64, 64)
+    q0, k0 = q.clone(), k.clone()
+    cases = [
+        (
+            dict(mrope_section=(8, 12, 11)),
+            pos,
+            r"mrope_section must be 3 non-negative ints .* = 32, got \[8, 12, 11\]",
+        ),
+        (dict(mrope_section=(8, 24)), pos, "mrope_section must be 3 non-negative ints"),
+        (dict(mrope_section=(-1, 21, 12)), pos, "mrope_section must be 3 non-negative ints"),
+        (dict(mrope_section=(8, 12, 12)), pos[:2], r"leading section dim of size 3 \(\[3, \.\.\.\]\)"),
+        (dict(mrope_section=(8, 12, 12)), pos[0], "leading section dim of size 3"),
+        (dict(mrope_interleaved=True), pos[0], "mrope_interleaved needs mrope_section"),
+    ]
+    for kw, p, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            rope_ext.apply_rotary_qk_(q, k, p, cs, **kw)
+        with pytest.raises(ValueError, match=msg):
+            rope_ext.apply_rotary_qk(q, k, p, cs, **kw)
+    with pytest.raises(TypeError, match="mrope_section must be a sequence of 3 ints"):
+        rope_ext.apply_rotary_qk_(q, k, pos, cs, mrope_section=(8.0, 12, 12))
+    bad = pos.clone()
+    bad[2, 3, 0] = 300  # the width row of token 3 is outside the cache
+    with pytest.raises(
+        IndexError, match=r"positions must be in \[0, cos_sin.shape\[0\]\) = \[0, 300\), got 300"
+    ):
+        rope_ext.apply_rotary_qk_(q, k, bad, cs, mrope_section=(8, 12, 12))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
