@@ -136,6 +136,9 @@ class RopeCache:
         inv, attn = self._params(int(max_positions))
         self._table = _Table(self._rows(0, max_positions, inv, attn), inv, attn, int(max_positions), 0)
         self._copies: dict[torch.device, tuple[int, Tensor]] = {}
+        # MRoPE settings of the model (from_hf_config), for the ops' mrope_section / mrope_interleaved.
+        self.mrope_section: tuple[int, int, int] | None = None
+        self.mrope_interleaved = False
 
     # -- construction from a transformers config -------------------------------------------------
 
@@ -150,11 +153,17 @@ class RopeCache:
         "sliding_attention": {...}}``: ``layer_type`` picks the entry). A config with a ``text_config``
         and no head size of its own is read through its ``text_config``. Other keyword arguments are
         the constructor's (``max_positions``, ``device``, ``dtype``).
+
+        MRoPE models (``mrope_section`` / ``mrope_interleaved`` in the rope dict: Qwen2-VL, Qwen2.5-VL,
+        Qwen3-VL) set :attr:`mrope_section` and :attr:`mrope_interleaved`, the arguments to pass to the ops
+        with ``[3, ...]`` positions.
         """
-        from .hf_config import parse_hf_config
+        from .hf_config import parse_hf_config, parse_mrope
 
         _, rotary_dim, base, scaling = parse_hf_config(config, layer_type=layer_type)
-        return cls(rotary_dim, base, scaling=scaling, **kwargs)
+        cache = cls(rotary_dim, base, scaling=scaling, **kwargs)
+        cache.mrope_section, cache.mrope_interleaved = parse_mrope(config, layer_type=layer_type)
+        return cache
 
     # -- parameters --------------------------------------------------------------------------------
 

@@ -96,7 +96,8 @@ def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int,
         )
 
     rope_type = resolve_rope_type(params)  # "su" alias and unknown names: scaling.py
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    skip = ("rope_theta", "partial_rotary_factor", "type", "mrope_section", "mrope_interleaved")
+    scaling = {k: v for k, v in params.items() if k not in skip}
     scaling["rope_type"] = rope_type
 
     mpe = get("max_position_embeddings")
@@ -112,3 +113,23 @@ def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int,
     if mpe is not None and rope_type in ("yarn", "longrope"):
         scaling["max_position_embeddings"] = mpe
     return head_dim, rotary_dim, float(base), scaling
+
+
+def parse_mrope(config: Any, *, layer_type: str | None = None) -> tuple[tuple[int, int, int] | None, bool]:
+    """``(mrope_section, mrope_interleaved)`` of a transformers config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL):
+    read from ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x), through ``text_config`` when the config
+    has no head size of its own; ``(None, False)`` when the model has no MRoPE."""
+    get = _getter(config)
+    if get("head_dim") is None and get("hidden_size") is None and get("text_config") is not None:
+        return parse_mrope(get("text_config"), layer_type=layer_type)
+    params = get("rope_parameters")
+    if params is None:
+        params = get("rope_scaling") or {}
+    if _is_nested(params) and layer_type is not None:
+        params = params.get(layer_type) or {}
+    section = params.get("mrope_section") if isinstance(params, Mapping) else None
+    if section is None:
+        return None, False
+    if len(section) != 3 or not all(isinstance(v, int) and v >= 0 for v in section):
+        raise ValueError(f"'mrope_section' must be 3 non-negative ints, got {section!r}")
+    return tuple(section), bool(params.get("mrope_interleaved", False))

@@ -37,6 +37,9 @@ class RotaryEmbedding(nn.Module):
       or any other shape that broadcasts to ``q.shape[:-1]``. Positions are not scanned (no device
       sync): they must be below the table's capacity, ``max_positions`` or what ``ensure`` made
       available;
+    * with ``mrope_section`` (MRoPE, set by ``from_hf_config`` for Qwen2-VL / Qwen2.5-VL / Qwen3-VL),
+      ``positions`` is ``[3, ...]`` (temporal, height, width rows, each as above); without ``positions``
+      every token gets its index in all three rows (text), which is the ordinary rotation;
     * ``inplace=True`` rotates ``q`` and ``k`` in their own storage (no output allocation; differentiable
       like any in-place op) and returns them.
 
@@ -54,6 +57,8 @@ class RotaryEmbedding(nn.Module):
         scaling: Mapping[str, Any] | None = None,
         interleaved: bool = False,
         max_positions: int = 2048,
+        mrope_section: tuple[int, int, int] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -64,6 +69,13 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.interleaved = bool(interleaved)
+        if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2):
+            raise ValueError(
+                f"mrope_section must be 3 ints summing to rotary_dim / 2 = {rotary_dim // 2}, "
+                f"got {mrope_section!r}"
+            )
+        self.mrope_section = None if mrope_section is None else tuple(mrope_section)
+        self.mrope_interleaved = bool(mrope_interleaved)
         self.cache = RopeCache(rotary_dim, base, max_positions=max_positions, scaling=scaling)
         self._device_tables = DeviceTables(self.cache)
 
@@ -86,9 +98,10 @@ class RotaryEmbedding(nn.Module):
 
         ``interleaved`` for checkpoints in GPT-J / Meta pairing; ``device`` moves the module there.
         """
-        from .hf_config import parse_hf_config
+        from .hf_config import parse_hf_config, parse_mrope
 
         head_dim, rotary_dim, base, scaling = parse_hf_config(config, layer_type=layer_type)
+        section, mrope_interleaved = parse_mrope(config, layer_type=layer_type)
         m = cls(
             head_dim,
             rotary_dim=rotary_dim,
@@ -96,6 +109,8 @@ class RotaryEmbedding(nn.Module):
             scaling=scaling,
             interleaved=interleaved,
             max_positions=max_positions,
+            mrope_section=section,
+            mrope_interleaved=mrope_interleaved,
         )
         return m if device is None else m.to(device)
 
@@ -126,6 +141,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"q and k must have head_dim = {self.head_dim}, got {q.shape[-1]} and {k.shape[-1]}"
             )
+        kw: dict[str, Any] = {"interleaved": self.interleaved}
         if positions is None:
             seq = q.shape[-3]
             if not torch.compiler.is_compiling():
@@ -133,16 +149,20 @@ class RotaryEmbedding(nn.Module):
                 self._device_tables.on(q.device)  # current table (grown / rebuilt / moved)
             positions = torch.arange(offset, offset + seq, device=q.device)[:, None]
         else:
-            nd = positions.dim()
-            if 0 < nd <= q.dim() - 2 and tuple(positions.shape) == tuple(q.shape[-2 - nd : -2]):
+            mrope = self.mrope_section is not None
+            tok = positions.shape[1:] if mrope else positions.shape  # MRoPE: [3, ...]
+            nd = len(tok)
+            if 0 < nd <= q.dim() - 2 and tuple(tok) == tuple(q.shape[-2 - nd : -2]):
                 positions = positions[..., None]  # per token: broadcast over heads
             if not torch.compiler.is_compiling():
                 self._device_tables.on(q.device)
+            if mrope:
+                kw["mrope_section"], kw["mrope_interleaved"] = self.mrope_section, self.mrope_interleaved
         table = self._device_tables.table
         if inplace:
-            apply_rotary_qk_(q, k, positions, table, interleaved=self.interleaved)
+            apply_rotary_qk_(q, k, positions, table, **kw)
             return q, k
-        return apply_rotary_qk(q, k, positions, table, interleaved=self.interleaved)
+        return apply_rotary_qk(q, k, positions, table, **kw)
 
     def extra_repr(self) -> str:
         c = self.cache

@@ -236,3 +236,56 @@ def test_bad_mrope_arguments_are_rejected_before_any_write():
     ):
         rope_ext.apply_rotary_qk_(q, k, bad, cs, mrope_section=(8, 12, 12))
     assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs, the module and the vLLM adapter.
+
+
+@pytest.mark.parametrize("model,sections,interleaved_sections", HF_MODELS)
+def test_from_hf_config_reads_mrope(model, sections, interleaved_sections):
+    rot = _hf_rotary(model, sections)
+    cache = rope_ext.RopeCache.from_hf_config(rot.config)
+    assert cache.mrope_section == tuple(sections) and cache.mrope_interleaved == interleaved_sections
+    m = rope_ext.RotaryEmbedding.from_hf_config(rot.config, max_positions=512)
+    assert m.mrope_section == tuple(sections) and m.mrope_interleaved == interleaved_sections
+    g = torch.Generator().manual_seed(12)
+    B, S = 2, 6
+    pid = torch.randint(0, 512, (3, B, S), generator=g)
+    q = torch.randn(B, S, 4, 128, generator=g)
+    k = torch.randn(B, S, 2, 128, generator=g)
+    oq, ok = m(q, k, pid)
+    kw = dict(mrope_section=sections, mrope_interleaved=interleaved_sections)
+    want = rope_ext.apply_rotary_qk(q, k, pid[..., None], m.cos_sin(), **kw)
+    assert torch.equal(oq, want[0]) and torch.equal(ok, want[1])
+    # No positions: text tokens, the ordinary rotation.
+    tq, tk = m(q, k)
+    pq, pk = rope_ext.apply_rotary_qk(q, k, torch.arange(S)[:, None], m.cos_sin())
+    assert torch.equal(tq, pq) and torch.equal(tk, pk)
+
+
+def test_plain_configs_have_no_mrope():
+    c = {
+        "hidden_size": 256,
+        "num_attention_heads": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    assert rope_ext.RopeCache.from_hf_config(c).mrope_section is None
+    assert rope_ext.RotaryEmbedding.from_hf_config(c).mrope_section is None
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_vllm_adapter_takes_mrope_positions(is_neox):
+    from rope_ext.compat.vllm import rotary_embedding
+
+    g = torch.Generator().manual_seed(13)
+    T, D = 11, 128
+    qkv = torch.randn(T, (28 + 4 + 4) * D, generator=g).to(torch.bfloat16)
+    query, key = qkv[:, : 28 * D], qkv[:, 28 * D : 32 * D]
+    pos = torch.randint(0, 100, (3, T), generator=g)
+    cs = make_cos_sin(100, D)
+    q0, k0 = query.clone().view(T, 28, D), key.clone().view(T, 4, D)
+    rotary_embedding(pos, query, key, D, cs, is_neox, mrope_section=(16, 24, 24))
+    kw = dict(interleaved=not is_neox, mrope_section=(16, 24, 24))
+    want_q, want_k = rope_ext.apply_rotary_qk(q0, k0, pos[..., None], cs, **kw)
+    assert torch.equal(query.view(T, 28, D), want_q) and torch.equal(key.view(T, 4, D), want_k)

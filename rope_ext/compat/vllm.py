@@ -3,6 +3,8 @@ head_size]`` tensors (``cos_sin_cache`` in vLLM's layout), computed by rope_ext'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -18,6 +20,9 @@ def rotary_embedding(
     head_size: int,
     cos_sin_cache: Tensor,
     is_neox: bool,
+    *,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> None:
     """vLLM's ``rotary_embedding`` custom op: rotate ``query`` and ``key`` in place.
 
@@ -28,10 +33,14 @@ def rotary_embedding(
     ``rot_dim <= head_size`` features of each head rotate, the rest are untouched. ``is_neox``: half-split
     pairs (GPT-NeoX) if true, interleaved (GPT-J) if false. A cache in a dtype other than float32 and
     ``query``'s is used as float32. Returns ``None``.
+
+    MRoPE (vLLM's ``MRotaryEmbedding``, Qwen2-VL / Qwen3-VL): ``positions`` ``[3, num_tokens]`` (temporal,
+    height, width) with ``mrope_section=(t, h, w)`` (``t + h + w == rot_dim / 2``) and, for Qwen3-VL,
+    ``mrope_interleaved=True``; see :func:`rope_ext.apply_rotary`.
     """
     if cos_sin_cache.dtype not in (torch.float32, query.dtype):
         cos_sin_cache = cos_sin_cache.float()
-    pdim = positions.dim()
+    pdim = positions.dim() - (1 if mrope_section is not None else 0)  # MRoPE: a leading section dim
 
     def heads(x: Tensor) -> Tensor:
         if x.dim() == pdim + 1:
@@ -41,8 +50,17 @@ def rotary_embedding(
         raise ValueError(
             f"expected [*positions.shape, num_heads * {head_size}] or [..., num_heads, {head_size}], "
             f"got {tuple(x.shape)} with positions {tuple(positions.shape)}"
+            + (" (MRoPE: [3, num_tokens])" if mrope_section is not None else "")
         )
 
     q = heads(query)
     k = heads(key) if key is not None else None
-    apply_rotary_qk_(q, k, positions[..., None], cos_sin_cache, interleaved=not is_neox)
+    apply_rotary_qk_(
+        q,
+        k,
+        positions[..., None],
+        cos_sin_cache,
+        interleaved=not is_neox,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+    )
