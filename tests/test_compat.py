@@ -294,7 +294,7 @@ def test_patch_transformers_rejects_other_models():
         config = type("C", (), {"model_type": "gpt2"})()
 
     with pytest.raises(
-        TypeError, match=r"supports model_type in \['llama', 'mistral', 'qwen2'\], got 'gpt2'"
+        TypeError, match=r"supports model_type in \['llama', 'mistral', 'qwen2', 'qwen2_vl', .*\], got 'gpt2'"
     ):
         patch_transformers(Fake())
 

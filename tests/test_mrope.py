@@ -289,3 +289,91 @@ def test_vllm_adapter_takes_mrope_positions(is_neox):
     kw = dict(interleaved=not is_neox, mrope_section=(16, 24, 24))
     want_q, want_k = rope_ext.apply_rotary_qk(q0, k0, pos[..., None], cs, **kw)
     assert torch.equal(query.view(T, 28, D), want_q) and torch.equal(key.view(T, 4, D), want_k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# patch_transformers on the text models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+
+def _tiny_vl_text(model: str):
+    if model == "qwen2_vl":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig as Config
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel as Model
+
+        sections, extra = [8, 12, 12], {}
+    elif model == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel as Model
+
+        sections, extra = [8, 12, 12], {}
+    else:
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel as Model
+
+        sections, extra = [12, 10, 10], {"mrope_interleaved": True}
+    cfg = Config(
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=96,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections, **extra},
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    m = Model(cfg)
+    with torch.no_grad():  # a realistic scale: attention far from uniform, so a wrong rotation shows
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return m
+
+
+def _hidden_and_grads(model, ids, positions):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=positions).last_hidden_state
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(15))
+    (out * w).sum().backward()  # (a square mean would be ~constant after the final RMSNorm)
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_patch_transformers_vl_text_models(model_name):
+    from rope_ext.compat import HFRotaryAdapter, patch_transformers, unpatch_transformers
+
+    model = _tiny_vl_text(model_name)
+    g = torch.Generator().manual_seed(14)
+    ids = torch.randint(0, 96, (2, 20), generator=g)
+    # An image block: tokens 4..15 share the temporal position, height and width run over a 3 x 4 grid.
+    t = torch.arange(20).repeat(2, 1)
+    hgt, wid = t.clone(), t.clone()
+    t[:, 4:16] = 4
+    hgt[:, 4:16] = 4 + torch.arange(12).div(4, rounding_mode="floor")
+    wid[:, 4:16] = 4 + torch.arange(12) % 4
+    positions = torch.stack([t, hgt, wid])
+    ref = _hidden_and_grads(model, ids, positions)
+    ref_text = _hidden_and_grads(model, ids, None)
+    patch_transformers(model)
+    try:
+        assert isinstance(model.rotary_emb, HFRotaryAdapter)
+        modeling = __import__(type(model).__module__, fromlist=["x"])
+        assert getattr(modeling.apply_rotary_pos_emb, "_rope_ext", False)
+        with torch.profiler.profile() as prof:
+            got = _hidden_and_grads(model, ids, positions)
+        assert any(e.name.startswith("rope_ext::rotary") for e in prof.events()), "rope_ext's op did not run"
+        got_text = _hidden_and_grads(model, ids, None)
+    finally:
+        unpatch_transformers(model)
+    for (a, ga), (b, gb) in ((got, ref), (got_text, ref_text)):
+        scale = b.abs().max()
+        # transformers' float32 angles against rope_ext's float64 ones (positions < 20): ~1e-6 relative
+        assert (a - b).abs().max() <= 2e-5 * scale
+        for n in gb:
+            assert (ga[n] - gb[n]).abs().max() <= 2e-4 * gb[n].abs().max().clamp_min(1e-30), n
+    # and a wrong section layout would not pass: the interleaved and contiguous mappings differ here
+    assert not torch.equal(
+        reference.mrope_rows(32, (12, 10, 10), True), reference.mrope_rows(32, (12, 10, 10))
+    )

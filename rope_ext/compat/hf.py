@@ -132,7 +132,18 @@ def _patched_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_d
 
 _patched_apply_rotary_pos_emb._rope_ext = True  # type: ignore[attr-defined]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    # MRoPE (the text models of the vision-language families; [3, batch, seq] position ids)
+    "qwen2_vl",
+    "qwen2_vl_text",
+    "qwen2_5_vl",
+    "qwen2_5_vl_text",
+    "qwen3_vl",
+    "qwen3_vl_text",
+)
 _ORIGINAL_APPLY: dict[str, Any] = {}
 
 
@@ -154,6 +165,11 @@ class HFRotaryAdapter(nn.Module):
         self.config = config
         probe = RopeCache.from_hf_config(config, max_positions=1)
         self.rope_type = probe.rope_type
+        # MRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): pair j's cos / sin come from the row of its section.
+        self.mrope_section, self.mrope_interleaved = probe.mrope_section, probe.mrope_interleaved
+        self._rotary_dim = probe.rotary_dim
+        if self.mrope_section is not None:
+            self.register_buffer("_mrope_rows", self._section_rows(), persistent=False)
         self.original_max = probe.scaling.get("original_max_position_embeddings")
         if self.rope_type == "longrope":
             o = self.original_max
@@ -187,6 +203,9 @@ class HFRotaryAdapter(nn.Module):
         ``to_empty`` leaves that module's buffers uninitialised. They are rebuilt from a fresh original
         constructed on the CPU from its config (torchtune / FSDP2's ``reset_parameters`` convention).
         """
+        if self.mrope_section is not None:
+            with torch.no_grad():
+                self._mrope_rows.copy_(self._section_rows())
         orig = self._original
         if next(orig.buffers(), None) is None:
             return
@@ -197,6 +216,11 @@ class HFRotaryAdapter(nn.Module):
                 new = fresh.get(name)
                 if new is not None and new.shape == buf.shape:
                     buf.copy_(new)
+
+    def _section_rows(self) -> Tensor:
+        from ..reference import mrope_rows
+
+        return mrope_rows(self._rotary_dim // 2, self.mrope_section, self.mrope_interleaved)
 
     def _eager_update(self, position_ids: Tensor, device: torch.device) -> None:
         if position_ids.numel() == 0:
@@ -215,6 +239,8 @@ class HFRotaryAdapter(nn.Module):
     def forward(
         self, x: Tensor, position_ids: Tensor, layer_type: str | None = None
     ) -> tuple[Tensor, Tensor]:
+        if self.mrope_section is not None and position_ids.dim() == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)  # text: the same position in every section
         if not torch.compiler.is_compiling():
             self._eager_update(position_ids, x.device)
         tables = self._device_tables.tables
@@ -225,6 +251,10 @@ class HFRotaryAdapter(nn.Module):
             rows = tables["main"][position_ids]
         h = rows.shape[-1] // 2
         c, s = rows[..., :h], rows[..., h:]
+        if self.mrope_section is not None:
+            # rows [3, batch, seq, rotary_dim]: pair j from section self._mrope_rows[j]
+            idx = self._mrope_rows.view(1, 1, 1, h).expand(1, *c.shape[1:])
+            c, s = c.gather(0, idx)[0], s.gather(0, idx)[0]
         return torch.cat([c, c], dim=-1).to(x.dtype), torch.cat([s, s], dim=-1).to(x.dtype)
 
 
@@ -238,7 +268,11 @@ def _rotary_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def patch_transformers(model: nn.Module, *, max_positions: int | None = None) -> nn.Module:
-    """Route a loaded transformers Llama, Mistral or Qwen2 model's RoPE through rope_ext; returns ``model``.
+    """Route a loaded transformers model's RoPE through rope_ext; returns ``model``.
+
+    Supported model types: :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, and the text models of
+    Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose MRoPE sections the adapter applies to ``[3, batch, seq]``
+    position ids).
 
     Two things change. (1) ``model.model.rotary_emb`` is replaced by an :class:`HFRotaryAdapter`: cos / sin
     come from a :class:`~rope_ext.RopeCache` built by ``from_hf_config(model.config)`` (float64 angles)
