@@ -1,6 +1,6 @@
 """rope_ext: rotary positional embeddings as compiled PyTorch ops (CPU and CUDA)."""
 
-from . import compat, reference, scaling
+from . import compat, distributed, reference, scaling
 from .cache import RopeCache
 from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
@@ -21,3 +21,5 @@ __all__ = [
     "scaling",
 ]
 __version__ = "0.1.0"
+
+distributed.register_sharding_rules()  # DTensor support (a no-op without torch.distributed)

@@ -1,0 +1,87 @@
+"""Sharding rules of rope_ext's ops for DTensor (torch.distributed.tensor); no communication of our own.
+
+Registered on import of rope_ext when torch.distributed is available (:func:`register_sharding_rules`). Per
+mesh dim, an op accepts:
+
+* everything replicated;
+* q (and k) sharded on any dim but the last (heads: tensor parallel; tokens: sequence / context parallel;
+  batch: data parallel), outputs placed like the inputs. ``positions`` goes with it: sharded on its dim
+  that aligns with q's sharded dim when it varies along it (per-token positions), replicated when it
+  broadcasts there (a ``[T, 1]`` positions tensor with q sharded on heads). MRoPE's leading section dim of
+  3 is never sharded. ``cos_sin`` is replicated.
+
+Anything else (the last dim sharded, ``Partial`` placements, q / k / positions sharded inconsistently)
+matches none of these, and DTensor redistributes the inputs to the cheapest one that does, so the result
+is always the single-device result. An in-place call (``rotary_qk_``) keeps q's and k's placements and
+writes only the local shards; DTensor refuses an in-place call whose q or k would need redistributing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["register_sharding_rules"]
+
+_registered = False
+
+
+def _placements(q: Any, positions: Any, mrope: bool) -> list[tuple[Any, Any]]:
+    """(q placement, positions placement) pairs of one mesh dim: replicated, or sharded on one batch dim."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = [(Replicate(), Replicate())]
+    pshape = tuple(positions.shape)
+    lead = 1 if mrope else 0  # MRoPE positions [3, ...]: the section dim is not a token dim
+    n, m = q.ndim - 1, len(pshape) - lead  # batch dims of q, token-aligned dims of positions
+    for d in range(n):
+        pd = d - (n - m)  # positions are aligned to the right of q.shape[:-1]
+        varies = pd >= 0 and pshape[pd + lead] > 1
+        out.append((Shard(d), Shard(pd + lead) if varies else Replicate()))
+    return out
+
+
+def _mrope(args: Sequence[Any], kwargs: dict[str, Any], index: int) -> bool:
+    section = args[index] if len(args) > index else kwargs.get("mrope_section")
+    return section is not None
+
+
+def register_sharding_rules() -> bool:
+    """Registers the rules above for every rope_ext op (once); False when torch.distributed is missing."""
+    global _registered
+    if _registered:
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.experimental import register_sharding
+
+    ops = torch.ops.rope_ext
+    R = Replicate()
+
+    @register_sharding(ops.rotary.default)
+    def _rotary(x, positions, cos_sin, *rest, **kwargs):
+        none = [None] * len(rest)
+        return [
+            ([p], [p, pp, R, *none]) for p, pp in _placements(x, positions, _mrope(rest, kwargs, 3))
+        ]
+
+    @register_sharding(ops.rotary_qk.default)
+    def _rotary_qk(q, k, positions, cos_sin, *rest, **kwargs):
+        none = [None] * len(rest)
+        return [
+            ([p, p], [p, p, pp, R, *none]) for p, pp in _placements(q, positions, _mrope(rest, kwargs, 3))
+        ]
+
+    @register_sharding(ops.rotary_qk_.default)
+    def _rotary_qk_inplace(q, k, positions, cos_sin, *rest, **kwargs):
+        none = [None] * len(rest)
+        return [
+            ([], [p, None if k is None else p, pp, R, *none])
+            for p, pp in _placements(q, positions, _mrope(rest, kwargs, 3))
+        ]
+
+    _registered = True
+    return True

@@ -1,0 +1,209 @@
+"""rope_ext's ops on DTensors: sharding rules (rope_ext/distributed.py) on real gloo process groups.
+
+Every op (rotary, rotary_qk, rotary_qk_, and the backward through DTensor autograd) gives the single-device
+result with the expected output placements for q / k sharded on heads, tokens or batch (positions sharded
+along or replicated), on a 2-D mesh, with MRoPE and rotary_offset; the last dim sharded, Partial inputs and
+inconsistent shardings are redistributed first. Context parallelism: each rank rotates its load-balanced
+chunks with ``varlen_positions(..., cp_size, cp_rank)``; gathered, they equal the full-sequence rotation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _distributed import run_ranks
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+
+def _inputs(mrope: bool = False):
+    import rope_ext
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 4, 32, generator=g)
+    k = torch.randn(2, 8, 2, 32, generator=g)
+    pos = torch.randint(0, 64, (3, 2, 8, 1) if mrope else (2, 8, 1), generator=g)
+    cs = rope_ext.RopeCache(32, max_positions=64).cos_sin
+    return q, k, pos, cs
+
+
+def _check_all_ops(mesh, q, k, pos, cs, q_pl, k_pl, pos_pl, want_pl, **kw):
+    """Every op on DTensors placed as given against the plain tensors; outputs placed as ``want_pl``."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import rope_ext
+
+    def d(t, pl):
+        return distribute_tensor(t, mesh, pl)
+
+    dq, dk, dp, dc = d(q, q_pl), d(k, k_pl), d(pos, pos_pl), d(cs, [Replicate()] * mesh.ndim)
+    want_q, want_k = rope_ext.apply_rotary_qk(q, k, pos, cs, **kw)
+    oq, ok = rope_ext.apply_rotary_qk(dq, dk, dp, dc, **kw)
+    assert tuple(oq.placements) == tuple(want_pl), (oq.placements, want_pl)
+    assert torch.equal(oq.full_tensor(), want_q) and torch.equal(ok.full_tensor(), want_k)
+    ox = rope_ext.apply_rotary(dq, dp, dc, inverse=True, **kw)
+    assert torch.equal(ox.full_tensor(), rope_ext.apply_rotary(q, pos, cs, inverse=True, **kw))
+    # backward: the gradient of a DTensor input, placed like it
+    gq = dq.detach().requires_grad_(True)
+    (rope_ext.apply_rotary(gq, dp, dc, **kw) * d(want_q, q_pl)).sum().backward()
+    rq = q.clone().requires_grad_(True)
+    (rope_ext.apply_rotary(rq, pos, cs, **kw) * want_q).sum().backward()
+    torch.testing.assert_close(gq.grad.full_tensor(), rq.grad, rtol=1e-6, atol=1e-6)
+    # in place: placements kept, only local shards written
+    if tuple(q_pl) == tuple(want_pl) and tuple(k_pl) == tuple(want_pl):
+        iq, ik = d(q, q_pl), d(k, k_pl)
+        rope_ext.apply_rotary_qk_(iq, ik, dp, dc, **kw)
+        assert tuple(iq.placements) == tuple(q_pl) and tuple(ik.placements) == tuple(k_pl)
+        assert torch.equal(iq.full_tensor(), want_q) and torch.equal(ik.full_tensor(), want_k)
+
+
+def _placements_1d(rank, world_size):
+    from torch.distributed.tensor import Partial, Replicate, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    q, k, pos, cs = _inputs()
+    S, R = Shard, Replicate()
+    cases = [
+        ("heads (TP), positions replicated", [S(2)], [S(2)], [R], [S(2)]),
+        ("tokens (SP/CP), positions sharded", [S(1)], [S(1)], [S(1)], [S(1)]),
+        ("tokens, positions replicated", [S(1)], [S(1)], [R], [S(1)]),
+        ("batch (DP), positions sharded", [S(0)], [S(0)], [S(0)], [S(0)]),
+        ("replicated", [R], [R], [R], [R]),
+    ]
+    for _name, qp, kp, pp, want in cases:
+        _check_all_ops(mesh, q, k, pos, cs, qp, kp, pp, want)
+    # redistributed first: last dim sharded, inconsistent q / k / positions shardings
+    _check_all_ops(mesh, q, k, pos, cs, [S(3)], [S(3)], [R], [R])
+    _check_all_ops(mesh, q, k, pos, cs, [S(2)], [S(1)], [S(0)], [S(2)])
+    # Partial input: reduced first (the rotation is linear, but the rule does not rely on it)
+    from torch.distributed.tensor import DTensor
+
+    import rope_ext
+
+    dc = DTensor.from_local(cs, mesh, [R])
+    dp = DTensor.from_local(pos, mesh, [R])
+    part = DTensor.from_local(q / world_size, mesh, [Partial()])
+    out = rope_ext.apply_rotary(part, dp, dc)
+    torch.testing.assert_close(out.full_tensor(), rope_ext.apply_rotary(q, pos, cs), rtol=1e-6, atol=1e-6)
+    # MRoPE (tokens sharded; the section dim is not) and rotary_offset (heads sharded)
+    qm, km, pm, csm = _inputs(mrope=True)
+    _check_all_ops(mesh, qm, km, pm, csm, [S(1)], [S(1)], [S(2)], [S(1)], mrope_section=(4, 6, 6))
+    cs16 = rope_ext.RopeCache(16, max_positions=64).cos_sin
+    _check_all_ops(mesh, q, k, pos, cs16, [S(2)], [S(2)], [R], [S(2)], rotary_offset=16, interleaved=True)
+    return True
+
+
+def _placements_2d(rank, world_size):
+    from torch.distributed.tensor import Replicate, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2))
+    q, k, pos, cs = _inputs()
+    _check_all_ops(
+        mesh,
+        q,
+        k,
+        pos,
+        cs,
+        [Shard(0), Shard(2)],
+        [Shard(0), Shard(2)],
+        [Shard(0), Replicate()],
+        [Shard(0), Shard(2)],
+    )
+    _check_all_ops(
+        mesh,
+        q,
+        k,
+        pos,
+        cs,
+        [Shard(1), Shard(2)],
+        [Shard(1), Shard(2)],
+        [Shard(1), Replicate()],
+        [Shard(1), Shard(2)],
+    )
+    return True
+
+
+def _compiled(rank, world_size):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import rope_ext
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    q, k, pos, cs = _inputs()
+
+    def f(a, b, p, c):
+        return rope_ext.apply_rotary_qk(a, b, p, c)
+
+    args = [distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)])]
+    args += [distribute_tensor(pos, mesh, [Replicate()]), distribute_tensor(cs, mesh, [Replicate()])]
+    oq, ok = torch.compile(f, fullgraph=True)(*args)
+    want = f(q, k, pos, cs)
+    return torch.equal(oq.full_tensor(), want[0]) and torch.equal(ok.full_tensor(), want[1])
+
+
+def _context_parallel(rank, world_size, lengths):
+    """TransformerEngine's load-balanced CP: rank r holds chunks r and 2 cp - 1 - r of every sequence."""
+    import torch.distributed as dist
+
+    import rope_ext
+
+    cp = world_size
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(total, 3, 32, generator=g)
+    cs = rope_ext.RopeCache(32, max_positions=256).cos_sin
+    full = rope_ext.apply_rotary(x, rope_ext.varlen_positions(cu, total_tokens=total)[:, None], cs)
+    # this rank's tokens, in its order: for each sequence, chunk rank then chunk 2 cp - 1 - rank
+    idx = []
+    for b, n in enumerate(lengths):
+        c = n // (2 * cp)
+        start = int(cu[b])
+        for chunk in (rank, 2 * cp - 1 - rank):
+            idx += range(start + chunk * c, start + (chunk + 1) * c)
+    idx = torch.tensor(idx, dtype=torch.long)
+    local_pos = rope_ext.varlen_positions(cu, total_tokens=total // cp, cp_size=cp, cp_rank=rank)
+    local = rope_ext.apply_rotary(x[idx], local_pos[:, None], cs)
+    gathered = [torch.empty_like(local) for _ in range(cp)]
+    idxs = [torch.empty_like(idx) for _ in range(cp)]
+    dist.all_gather(gathered, local)
+    dist.all_gather(idxs, idx)
+    out = torch.empty_like(full)
+    for part, where in zip(gathered, idxs, strict=True):
+        out[where] = part
+    return torch.equal(out, full)
+
+
+@pytest.mark.slow
+def test_placements_on_two_ranks():
+    assert run_ranks(_placements_1d, 2, timeout=240) == [True, True]
+
+
+@pytest.mark.slow
+def test_placements_on_a_2d_mesh():
+    assert run_ranks(_placements_2d, 4, timeout=240) == [True] * 4
+
+
+@pytest.mark.slow
+def test_compiled_dtensor_forward():
+    assert run_ranks(_compiled, 2, timeout=240) == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("lengths", [[16], [8, 4, 12, 0, 20]], ids=["one-sequence", "packed"])
+def test_context_parallel_ranks_gather_to_the_full_rotation(cp, lengths):
+    lengths = [n * cp for n in lengths]  # padded lengths: multiples of 2 * cp
+    assert run_ranks(_context_parallel, cp, lengths, timeout=240) == [True] * cp
+
+
+def test_rules_are_registered_on_import():
+    from torch.distributed.tensor import DTensor
+
+    import rope_ext  # noqa: F401
+
+    strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    for op in ("rotary", "rotary_qk", "rotary_qk_"):
+        assert getattr(torch.ops.rope_ext, op).default in strategies
