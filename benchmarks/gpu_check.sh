@@ -29,6 +29,11 @@ timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda or gpu" --juni
   2>&1 | tee "$OUTDIR/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+echo "== distributed tests on CUDA tensors (NCCL with a GPU per rank, else gloo)"
+ROPE_EXT_DIST_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_dtensor.py \
+  --junitxml="$OUTDIR/tests-dist.xml" 2>&1 | tee "$OUTDIR/tests-dist.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 echo "== GPU benchmark"
 timeout 240 "$PY" -m rope_ext.bench --device cuda --preset llama-3-8b --dtype bf16,fp16,fp32 --pairing both \
   --tokens 1024,4096,16384,65536 --decode-tokens 1,4,16,64 --mode inplace,out,backward --rounds 5 \

@@ -1,9 +1,13 @@
-"""Run a test body on N CPU ranks of a real torch.distributed process group (gloo over loopback).
+"""Run a test body on N ranks of a real torch.distributed process group over loopback.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each initialising a gloo process group
-on a free local port, calls ``fn(rank, world_size, *args)`` (a module-level function, picklable), and
-returns the ranks' return values in rank order. An exception on any rank fails the caller with that
-rank's traceback; a rank that hangs is killed after ``timeout`` seconds.
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each initialising a process group on a
+free local port, calls ``fn(rank, world_size, *args)`` (a module-level function, picklable), and returns the
+ranks' return values in rank order. An exception on any rank fails the caller with that rank's traceback; a
+rank that hangs is killed after ``timeout`` seconds.
+
+``DEVICE`` (environment variable ``ROPE_EXT_DIST_DEVICE``, default ``cpu``) is where the tests put
+their tensors: ``cpu`` uses gloo; ``cuda`` (benchmarks/gpu_check.sh) uses NCCL when there is a GPU per
+rank, else gloo over CUDA tensors with the ranks sharing the GPUs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+DEVICE = os.environ.get("ROPE_EXT_DIST_DEVICE", "cpu")
 
 
 def _free_port() -> int:
@@ -30,7 +36,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        backend = "gloo"
+        if DEVICE == "cuda":
+            n = torch.cuda.device_count()
+            torch.cuda.set_device(rank % n)
+            backend = "nccl" if n >= world_size else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             queue.put((rank, True, fn(rank, world_size, *args)))
         finally:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _distributed import run_ranks
+from _distributed import DEVICE, run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available(), reason="torch.distributed is not available"
-)
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(), reason="ROPE_EXT_DIST_DEVICE=cuda: no GPU"
+    ),
+]
 
 
 def _inputs(mrope: bool = False):
@@ -26,7 +29,7 @@ def _inputs(mrope: bool = False):
     k = torch.randn(2, 8, 2, 32, generator=g)
     pos = torch.randint(0, 64, (3, 2, 8, 1) if mrope else (2, 8, 1), generator=g)
     cs = rope_ext.RopeCache(32, max_positions=64).cos_sin
-    return q, k, pos, cs
+    return tuple(t.to(DEVICE) for t in (q, k, pos, cs))
 
 
 def _check_all_ops(mesh, q, k, pos, cs, q_pl, k_pl, pos_pl, want_pl, **kw):
@@ -62,7 +65,7 @@ def _check_all_ops(mesh, q, k, pos, cs, q_pl, k_pl, pos_pl, want_pl, **kw):
 def _placements_1d(rank, world_size):
     from torch.distributed.tensor import Partial, Replicate, Shard, init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     q, k, pos, cs = _inputs()
     S, R = Shard, Replicate()
     cases = [
@@ -90,7 +93,7 @@ def _placements_1d(rank, world_size):
     # MRoPE (tokens sharded; the section dim is not) and rotary_offset (heads sharded)
     qm, km, pm, csm = _inputs(mrope=True)
     _check_all_ops(mesh, qm, km, pm, csm, [S(1)], [S(1)], [S(2)], [S(1)], mrope_section=(4, 6, 6))
-    cs16 = rope_ext.RopeCache(16, max_positions=64).cos_sin
+    cs16 = rope_ext.RopeCache(16, max_positions=64).cos_sin.to(DEVICE)
     _check_all_ops(mesh, q, k, pos, cs16, [S(2)], [S(2)], [R], [S(2)], rotary_offset=16, interleaved=True)
     return True
 
@@ -98,7 +101,7 @@ def _placements_1d(rank, world_size):
 def _placements_2d(rank, world_size):
     from torch.distributed.tensor import Replicate, Shard, init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, world_size // 2))
+    mesh = init_device_mesh(DEVICE, (2, world_size // 2))
     q, k, pos, cs = _inputs()
     _check_all_ops(
         mesh,
@@ -130,7 +133,7 @@ def _compiled(rank, world_size):
 
     import rope_ext
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     q, k, pos, cs = _inputs()
 
     def f(a, b, p, c):
@@ -150,20 +153,21 @@ def _context_parallel(rank, world_size, lengths):
     import rope_ext
 
     cp = world_size
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    total = int(cu[-1])
+    cu_list = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
+    total = cu_list[-1]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(total, 3, 32, generator=g)
-    cs = rope_ext.RopeCache(32, max_positions=256).cos_sin
+    x = torch.randn(total, 3, 32, generator=g).to(DEVICE)
+    cs = rope_ext.RopeCache(32, max_positions=256).cos_sin.to(DEVICE)
     full = rope_ext.apply_rotary(x, rope_ext.varlen_positions(cu, total_tokens=total)[:, None], cs)
     # this rank's tokens, in its order: for each sequence, chunk rank then chunk 2 cp - 1 - rank
     idx = []
     for b, n in enumerate(lengths):
         c = n // (2 * cp)
-        start = int(cu[b])
+        start = cu_list[b]
         for chunk in (rank, 2 * cp - 1 - rank):
             idx += range(start + chunk * c, start + (chunk + 1) * c)
-    idx = torch.tensor(idx, dtype=torch.long)
+    idx = torch.tensor(idx, dtype=torch.long, device=DEVICE)
     local_pos = rope_ext.varlen_positions(cu, total_tokens=total // cp, cp_size=cp, cp_rank=rank)
     local = rope_ext.apply_rotary(x[idx], local_pos[:, None], cs)
     gathered = [torch.empty_like(local) for _ in range(cp)]
