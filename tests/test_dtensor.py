@@ -211,3 +211,16 @@ def test_rules_are_registered_on_import():
     strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
     for op in ("rotary", "rotary_qk", "rotary_qk_"):
         assert getattr(torch.ops.rope_ext, op).default in strategies
+
+
+def test_no_communication_code_of_our_own():
+    """rope_ext supplies sharding rules and positions; every collective is torch.distributed's own choice."""
+    import re
+    from pathlib import Path
+
+    calls = re.compile(
+        r"\b(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|send|recv|barrier)\s*\("
+    )
+    root = Path(__file__).resolve().parents[1] / "rope_ext"
+    offenders = [str(p) for p in root.rglob("*.py") if calls.search(p.read_text())]
+    assert offenders == []
