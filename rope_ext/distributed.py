@@ -64,9 +64,7 @@ def register_sharding_rules() -> bool:
     @register_sharding(ops.rotary.default)
     def _rotary(x, positions, cos_sin, *rest, **kwargs):
         none = [None] * len(rest)
-        return [
-            ([p], [p, pp, R, *none]) for p, pp in _placements(x, positions, _mrope(rest, kwargs, 3))
-        ]
+        return [([p], [p, pp, R, *none]) for p, pp in _placements(x, positions, _mrope(rest, kwargs, 3))]
 
     @register_sharding(ops.rotary_qk.default)
     def _rotary_qk(q, k, positions, cos_sin, *rest, **kwargs):

@@ -144,3 +144,133 @@ def test_bad_arguments():
         bench.config_from_args(bench.parse_args(["--dtype", "int8"]))
     cfg = bench.config_from_args(bench.parse_args(["--quick"]))
     assert cfg.presets == [bench.PRESETS["llama-3-8b"]] and cfg.modes == ["inplace", "out"]
+
+
+TINY_MROPE = bench.Preset("tiny-mrope", 4, 2, 16, 16, False, 1e4, (2, 3, 3))
+
+
+def test_mrope_preset_validates():
+    preset = bench.PRESETS["qwen2.5-vl-7b"]
+    assert (preset.q_heads, preset.kv_heads, preset.head_dim, preset.rotary_dim) == (28, 4, 128, 128)
+    assert preset.mrope_section == (16, 24, 24) and not preset.interleaved and preset.base == 1e6
+    result = bench.run_benchmark(
+        tiny_config(
+            presets=[preset, TINY_MROPE],
+            prefill_tokens=[40],
+            decode_tokens=[2],
+            dtypes=[torch.float32, torch.bfloat16],
+            pairings=["half", "interleaved"],
+        )
+    )
+    provs = [r for r in result["rows"] if r["kind"] == "provider"]
+    # rope_ext: 3 modes, hf-eager: out and backward; 2 presets x 2 dtypes x 2 pairings x 2 token counts.
+    assert len(provs) == 5 * 2 * 2 * 2 * 2
+    assert all(r["status"] == "ok" for r in provs), [r for r in provs if r["status"] != "ok"]
+    assert all(r["err_ulps"] < 2 for r in provs if r["provider"] == "rope_ext" and r["dtype"] == "fp32")
+    assert {tuple(r["mrope_section"]) for r in provs} == {(16, 24, 24), (2, 3, 3)}
+    # Three positions per token are counted.
+    row = next(r for r in provs if r["preset"] == "tiny-mrope" and r["phase"] == "prefill")
+    assert row["bytes"] == 2 * row["qk_bytes"] + 40 * (16 * 4 + 3 * 8)
+    # A ceiling's GB/s counts q and k read and written (not cos/sin nor positions).
+    ceil = next(r for r in result["rows"] if r["kind"] == "ceiling" and r["tokens"] == 40)
+    assert ceil["gbps"] == pytest.approx(2 * ceil["qk_bytes"] / ceil["median_s"] / 1e9)
+
+
+def test_mrope_positions():
+    pos = bench.mrope_prefill_positions(40)  # a 4 x 4 image after 12 text tokens, then 12 text tokens
+    assert pos.shape == (3, 40) and pos.dtype == torch.int64
+    assert torch.equal(pos[:, :12], torch.arange(12).expand(3, 12))
+    image = pos[:, 12:28]
+    assert torch.equal(image[0], torch.full((16,), 12))
+    assert torch.equal(image[1], 12 + torch.arange(4).repeat_interleave(4))
+    assert torch.equal(image[2], 12 + torch.arange(4).repeat(4))
+    assert torch.equal(pos[:, 28:], torch.arange(16, 28).expand(3, 12))
+    case = bench.make_case(TINY_MROPE, 3, "decode", torch.float32, False, torch.device("cpu"))
+    assert case.positions.shape == (3, 3) and (case.positions == case.positions[0]).all()
+    assert case.rope_positions.shape == (3, 3, 1)
+
+
+def test_packed_cu_seqlens():
+    g = torch.Generator().manual_seed(0)
+    cu = bench.packed_cu_seqlens(100, 7, g)
+    assert cu.dtype == torch.int32 and cu.shape == (8,) and cu[0] == 0 and cu[-1] == 100
+    assert ((cu[1:] - cu[:-1]) >= 1).all()
+    assert torch.equal(cu, bench.packed_cu_seqlens(100, 7, torch.Generator().manual_seed(0)))
+    assert torch.equal(bench.packed_cu_seqlens(5, 5, g), torch.arange(6, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        bench.packed_cu_seqlens(4, 5, g)
+    case = bench.make_case(TINY, 100, "prefill", torch.float32, False, torch.device("cpu"), seqs=7)
+    assert case.seqs == 7 and case.positions.dtype == torch.int64
+    starts = case.cu_seqlens[:-1].long()
+    assert (case.positions[starts] == 0).all() and int(case.positions.max()) < 100
+
+
+def test_varlen_several_sequence_counts():
+    result = bench.run_benchmark(
+        tiny_config(
+            presets=[TINY, TINY_MROPE],
+            prefill_tokens=[16],
+            seqs=[1, 4, 16, 32],
+            dtypes=[torch.float32, torch.bfloat16],
+            modes=["inplace", "out"],
+            providers=["rope_ext", "rope_ext+varlen", "varlen_positions", "hf-eager"],
+        )
+    )
+    rows = result["rows"]
+    assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+    tiny = [r for r in rows if r["preset"] == "tiny" and r["phase"] == "prefill"]
+    assert {r["seqs"] for r in tiny} == {1, 4, 16}  # 32 sequences do not fit in 16 tokens
+    for n in (1, 4, 16):
+        wl = {(r["provider"], r["mode"]): r for r in tiny if r["seqs"] == n and r["dtype"] == "bf16"}
+        assert wl["rope_ext+varlen", "inplace"]["frac_ceiling"] > 0
+        part = wl["varlen_positions", "part"]
+        assert part["kind"] == "part" and part["frac_rotation"] > 0 and "gbps" not in part
+        assert {("rope_ext", "inplace"), ("rope_ext", "out"), ("hf-eager", "out")} <= set(wl)
+    # Not packed: decode steps, and MRoPE presets (with a note); no varlen rows there.
+    others = [r for r in rows if r not in tiny]
+    assert all(r["seqs"] is None and "varlen" not in r["provider"] for r in others)
+    assert any(r["preset"] == "tiny-mrope" and r["phase"] == "prefill" for r in others)
+    assert any("MRoPE presets ran unpacked" in n for n in result["notes"])
+    lines = bench.summary(result)
+    assert any(
+        "tiny fp32 half-split prefill T=16 seqs=4: in place" in s and "varlen_positions" in s for s in lines
+    )
+    assert any(s.startswith("rope_ext in place by sequences, tiny bf16") for s in lines)
+    table = "\n".join(" ".join(r) for r in bench.table_rows(result))
+    assert "seqs=16" in table and "% rot" in table
+
+
+def test_cli_list_and_seqs(tmp_path, capsys):
+    assert bench.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-vl-7b" in out and "mrope 16/24/24" in out
+    assert "rope_ext+varlen (inplace)" in out and "varlen_positions" in out
+    cs = tmp_path / "r.csv"
+    argv = [
+        "--shape",
+        "4,2,16,8",
+        "--tokens",
+        "16",
+        "--decode-tokens",
+        "",
+        "--seqs",
+        "1,5",
+        "--dtype",
+        "bf16",
+    ]
+    argv += ["--mode", "inplace", "--providers", "rope_ext,rope_ext+varlen,varlen_positions"]
+    argv += ["--rounds", "1", "--min-run-time", "0.001", "--no-progress", "--csv", str(cs)]
+    assert bench.main(argv) == 0
+    assert "seqs=5" in capsys.readouterr().out
+    with open(cs) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["seqs"] for r in rows} == {"1", "5"}
+    assert {r["provider"] for r in rows if r["kind"] != "ceiling"} == {
+        "rope_ext",
+        "rope_ext+varlen",
+        "varlen_positions",
+    }
+    assert all(float(r["frac_rotation"]) > 0 for r in rows if r["kind"] == "part")
+    assert bench.config_from_args(bench.parse_args(["--seqs", "1,200"])).seqs == [1, 200]
+    with pytest.raises(SystemExit):
+        bench.config_from_args(bench.parse_args(["--seqs", "0"]))

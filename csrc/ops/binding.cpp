@@ -369,8 +369,9 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
   const int sections = rope::is_mrope(p) ? 3 : 1;
   for (int64_t t = 0; t < p.n_tokens; ++t) {
+    const int64_t base = rope::token_offsets(p, t).pos;
     for (int s = 0; s < sections; ++s) {
-      const int64_t off = rope::token_offsets(p, t).pos + s * p.pos_section_stride;
+      const int64_t off = base + s * p.pos_section_stride;
       const int64_t pos =
           p.pos_int64 ? rope::load_position<int64_t>(p, off) : rope::load_position<int32_t>(p, off);
       if (!rope::position_in_cache(p, pos)) {

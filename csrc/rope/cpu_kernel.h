@@ -113,22 +113,38 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   const A sign = p.inverse ? A(-1) : A(1);
   const bool mrope = is_mrope(p);
   std::vector<CS> merged(mrope ? size_t(r) : 0);  // MRoPE: the token's cos/sin row, pair by pair
+  std::vector<uint8_t> section(mrope ? size_t(r / 2) : 0);  // MRoPE: the section of each pair
+  for (size_t j = 0; j < section.size(); ++j) section[j] = uint8_t(mrope_row(p, int(j)));
 
   for (int64_t token = begin; token < end; ++token) {
     const TokenOffsets o = token_offsets(p, token);
     if (mrope) {
       // Each pair from the row of its section's position (NaN where that is
       // outside the cache), then the table as usual.
-      int64_t pos3[3];
-      for (int s = 0; s < 3; ++s) pos3[s] = load_position<Pos>(p, o.pos + s * p.pos_section_stride);
       const int h = r / 2;
-      for (int j = 0; j < h; ++j) {
-        const int64_t pj = pos3[mrope_row(p, j)];
-        if (position_in_cache(p, pj)) {
-          merged[j] = cs[pj * p.cs_row_stride + j];
-          merged[h + j] = cs[pj * p.cs_row_stride + h + j];
-        } else {
-          merged[j] = merged[h + j] = Store<CS>::from(std::numeric_limits<float>::quiet_NaN());
+      const CS* rows[3];
+      bool all_in = true;
+      for (int s = 0; s < 3; ++s) {
+        const int64_t ps = load_position<Pos>(p, o.pos + s * p.pos_section_stride);
+        rows[s] = position_in_cache(p, ps) ? cs + ps * p.cs_row_stride : nullptr;
+        all_in = all_in && rows[s];
+      }
+      if (all_in && !p.mrope_interleaved) {
+        // Contiguous sections: three runs of pairs, cos and sin halves each.
+        CS* m = merged.data();
+        for (int s = 0, j0 = 0; s < 3; j0 += p.mrope_section[s++]) {
+          const CS* row = rows[s];
+          for (int j = j0; j < j0 + p.mrope_section[s]; ++j) {
+            m[j] = row[j];
+            m[h + j] = row[h + j];
+          }
+        }
+      } else {
+        for (int j = 0; j < h; ++j) {
+          const CS* row = rows[section[j]];
+          const CS nan = Store<CS>::from(std::numeric_limits<float>::quiet_NaN());
+          merged[j] = row ? row[j] : nan;
+          merged[h + j] = row ? row[h + j] : nan;
         }
       }
       Head::template build_table<T, CS, Interleaved, A>(merged.data(), sign, tab.data(), r);

@@ -3,7 +3,8 @@
 For every workload (model preset or custom shape, token count, dtype, pairing) the harness:
 
 1. builds ``q [T, Hq, D]``, ``k [T, Hkv, D]`` (token-major, contiguous), ``positions`` (``0..T-1`` for a
-   prefill, random positions of a batch of sequences for a decode step) and a float32 cos/sin cache;
+   prefill, each sequence's own for a packed prefill (``--seqs``), random positions of a batch of
+   sequences for a decode step; ``[3, T]`` for MRoPE presets) and a float32 cos/sin cache;
 2. validates every provider against the float64 reference (:func:`rope_ext.reference.rotary_hadamard`)
    on the same inputs; a provider that disagrees is reported as ``wrong`` and is not timed;
 3. times the providers and the bandwidth ceilings of this machine side by side: several rounds, each
@@ -18,6 +19,7 @@ The parts:
   provider family (rope_ext, the HF references, vLLM, FlashInfer, flash-attn, Liger);
 * :mod:`.ceilings` - what the machine does with the same bytes (in-place stream, clone, copy, no-op op,
   tiny kernel);
+* :mod:`.parts` - pieces of a provider's work timed on their own (``varlen_positions``);
 * :mod:`.timing` - blocked CPU timing, CUDA events with the L2 flushed, statistics, allocator modes;
 * :mod:`.validation` - the check against the float64 reference;
 * :mod:`.runner` - :func:`run_benchmark` and the derived columns;
@@ -33,6 +35,7 @@ from rope_ext.reference import hf_apply_rotary_pos_emb, hf_rotate_every_two, hf_
 
 from .ceilings import CEILING_FOR_MODE, noop_op
 from .cli import config_from_args, main, parse_args
+from .parts import PART_OF, parts
 from .presets import DECODE_CONTEXT, DECODE_TOKENS, DTYPES, MODES, PREFILL_TOKENS, PRESETS, Preset
 from .providers import PROVIDERS, Builder, Provider, Runner, Skip, provider
 from .report import (
@@ -49,7 +52,15 @@ from .report import (
 from .runner import machine_info, run_benchmark
 from .timing import Timer, set_cpu_allocator
 from .validation import validate
-from .workloads import Case, Config, input_sets, last_level_cache_bytes, make_case
+from .workloads import (
+    Case,
+    Config,
+    input_sets,
+    last_level_cache_bytes,
+    make_case,
+    mrope_prefill_positions,
+    packed_cu_seqlens,
+)
 
 __all__ = [
     "CEILING_FOR_MODE",
@@ -59,6 +70,7 @@ __all__ = [
     "DECODE_TOKENS",
     "DTYPES",
     "MODES",
+    "PART_OF",
     "PREFILL_TOKENS",
     "PRESETS",
     "PROVIDERS",
@@ -80,8 +92,11 @@ __all__ = [
     "machine_info",
     "main",
     "make_case",
+    "mrope_prefill_positions",
     "noop_op",
+    "packed_cu_seqlens",
     "parse_args",
+    "parts",
     "plot",
     "print_table",
     "provider",

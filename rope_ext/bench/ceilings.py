@@ -56,7 +56,7 @@ def ceilings(case: Case) -> dict[str, Callable[[], Any]]:
     q, k = case.q, case.k
     noop = noop_op()
     qn, kn = clones(case)
-    pos, cs = case.positions[:, None], case.cos_sin
+    pos, cs = case.rope_positions, case.cos_sin
     out = {
         "stream in-place": lambda: a.mul_(1.0),
         "clone": lambda: (q.clone(), k.clone()),

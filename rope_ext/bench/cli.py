@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .parts import PART_OF
 from .presets import DECODE_TOKENS, DTYPES, MODES, PREFILL_TOKENS, PRESETS, Preset
 from .providers import PROVIDERS
 from .report import plot, print_table, write_csv, write_json
@@ -55,6 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--decode-tokens", default=",".join(map(str, DECODE_TOKENS)), help="decode token counts (empty: none)"
+    )
+    ap.add_argument(
+        "--seqs",
+        default="",
+        help="packed prefill: comma-separated sequence counts N; each prefill becomes a packed batch of N "
+        "sequences of mixed lengths summing to its tokens (seeded), positions from "
+        "rope_ext.varlen_positions, adding the rope_ext+varlen provider and the varlen_positions part "
+        "(empty: not packed; MRoPE presets stay unpacked, counts above the token count are skipped)",
     )
     ap.add_argument("--dtype", default="fp32,bf16", help=f"comma-separated, of {','.join(DTYPES)}")
     ap.add_argument(
@@ -137,6 +146,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
             pairings.append(p)
         else:
             raise SystemExit(f"unknown pairing {p!r}: model, half, interleaved or both")
+    seqs = _ints(a.seqs)
+    if any(n < 1 for n in seqs):
+        raise SystemExit(f"--seqs wants sequence counts >= 1, got {a.seqs!r}")
     modes = [m.strip() for m in a.mode.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
@@ -156,6 +168,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         allocator=a.allocator,
         cache=a.cache,
         progress=not a.no_progress,
+        seqs=seqs,
     )
 
 
@@ -174,8 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{p.name:18s} q {p.q_heads:3d} kv {p.kv_heads:3d} head_dim {p.head_dim:3d} "
                 f"rotary_dim {p.rotary_dim:3d} {'interleaved' if p.interleaved else 'half-split'} "
                 f"base {p.base:g}"
+                + (f" mrope {'/'.join(map(str, p.mrope_section))}" if p.mrope_section else "")
             )
         print("providers: " + ", ".join(sorted({f"{p.name} ({p.mode})" for p in PROVIDERS})))
+        print("parts: " + ", ".join(PART_OF))
         return 0
     if a.threads:
         torch.set_num_threads(a.threads)

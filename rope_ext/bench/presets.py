@@ -20,7 +20,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Preset:
-    """Attention shape of a model: heads, head and rotary dims, pairing and rope base."""
+    """Attention shape of a model: heads, head and rotary dims, pairing and rope base.
+
+    ``mrope_section`` ``(t, h, w)``: an MRoPE model (Qwen2-VL, Qwen2.5-VL): its workloads have positions
+    ``[3, T]`` (temporal, height, width) and pair ``j`` of the rotary dims takes the row of its section.
+    """
 
     name: str
     q_heads: int
@@ -29,11 +33,13 @@ class Preset:
     rotary_dim: int
     interleaved: bool
     base: float = 10000.0
+    mrope_section: tuple[int, int, int] | None = None
 
 
 # From each model's Hugging Face config.json: num_attention_heads, num_key_value_heads, head_dim,
 # rotary_dim (head_dim times partial_rotary_factor / rotary_pct, or GPT-J's rotary_dim), pairing
-# (interleaved for GPT-J and DeepSeek-V3's decoupled rope part) and rope_theta (10000 where it has none).
+# (interleaved for GPT-J and DeepSeek-V3's decoupled rope part) and rope_theta (10000 where it has none);
+# for MRoPE models, rope_scaling.mrope_section.
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -46,6 +52,7 @@ PRESETS: dict[str, Preset] = {
         Preset("mistral-7b", 32, 8, 128, 128, False, 1e4),
         Preset("qwen2-7b", 28, 4, 128, 128, False, 1e6),
         Preset("qwen2.5-7b", 28, 4, 128, 128, False, 1e6),
+        Preset("qwen2.5-vl-7b", 28, 4, 128, 128, False, 1e6, (16, 24, 24)),
         Preset("gpt-neox-20b", 64, 64, 96, 24, False, 1e4),
         Preset("pythia-6.9b", 32, 32, 128, 32, False, 1e4),
         Preset("gpt-j-6b", 16, 16, 256, 64, True, 1e4),

@@ -6,6 +6,7 @@ read per token. GB/s = bytes / median time.
 
 ``% ceil`` is the ceiling's time divided by the provider's time (in place against the in-place stream,
 out of place and backward against clone); cos/sin and positions are not credited to the provider there.
+A part's (``varlen_positions``) ``% rot`` is its time divided by the rotation's (``rope_ext`` in place).
 """
 
 from __future__ import annotations
@@ -59,14 +60,26 @@ TABLE_COLUMNS = [
 ]
 
 
+def _workload(r: dict[str, Any]) -> str:
+    return (
+        f"{r['preset']} {r['dtype']} {'il' if r['pairing'] == 'interleaved' else 'half'} "
+        f"{r['phase']} T={r['tokens']}" + (f" seqs={r['seqs']}" if r.get("seqs") else "")
+    )
+
+
+def _pct(r: dict[str, Any]) -> str:
+    if "frac_ceiling" in r:
+        return f"{100 * r['frac_ceiling']:.0f}%"
+    if "frac_rotation" in r:
+        return f"{100 * r['frac_rotation']:.1f}% rot"
+    return ""
+
+
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
     """The rows of the printed table, as strings."""
     out = []
     for r in result["rows"]:
-        wl = (
-            f"{r['preset']} {r['dtype']} {'il' if r['pairing'] == 'interleaved' else 'half'} "
-            f"{r['phase']} T={r['tokens']}"
-        )
+        wl = _workload(r)
         status = r["status"]
         if status == "wrong":
             status = f"WRONG ({r['err_ulps']:.3g} ulp)"
@@ -82,9 +95,9 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
                 status,
                 _fmt_time(t),
                 spread,
-                _fmt_bytes(r["bytes"]),
+                "" if r["kind"] == "part" else _fmt_bytes(r["bytes"]),
                 f"{r['gbps']:.1f}" if "gbps" in r else "",
-                f"{100 * r['frac_ceiling']:.0f}%" if "frac_ceiling" in r else "",
+                _pct(r),
                 f"{r['speedup_vs_eager']:.1f}x" if "speedup_vs_eager" in r else "",
                 f"{r['x_noop_call']:.2f}" if "x_noop_call" in r else "",
             ]
@@ -116,11 +129,13 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
         for r in rows:
             print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), file=file)
     else:
-        console = Console(file=file, width=max(170, Console(file=file).width))
+        console = Console(file=file, width=max(180, Console(file=file).width))
         table = Table(title=escape(head), title_justify="left", show_lines=False)
         for c in TABLE_COLUMNS:
             table.add_column(
-                c, justify="right" if c not in ("workload", "mode", "provider", "status") else "left"
+                c,
+                justify="right" if c not in ("workload", "mode", "provider", "status") else "left",
+                no_wrap=c in ("workload", "provider"),
             )
         prev = None
         for r in rows:
@@ -133,7 +148,8 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
     print(
         "bytes: q and k read + written once, cos/sin row + position read once per token; "
         "% ceil: ceiling time / provider time on the same q, k bytes (in place vs 'stream in-place', "
-        "out/backward vs 'clone'); vs eager: hf-eager time / time; x no-op: time / registered no-op call.",
+        "out/backward vs 'clone'); % rot: part time / rotation time (rope_ext in place); vs eager: "
+        "hf-eager time / time; x no-op: time / registered no-op call.",
         file=file,
     )
     for line in summary(result):
@@ -143,19 +159,34 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
 
 
 def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
-    """One line per workload: how provider ``name`` stands against the ceilings and the references."""
+    """One line per workload: how provider ``name`` stands against the ceilings and the references.
+
+    Packed workloads add ``name+varlen`` in place and the ``varlen_positions`` part; then one line per
+    prefill that ran with several sequence counts compares ``name`` in place across them.
+    """
     lines = []
     by_wl: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in result["rows"]:
-        key = (r["preset"], r["dtype"], r["pairing"], r["phase"], r["tokens"])
+        key = (r["preset"], r["dtype"], r["pairing"], r["phase"], r["tokens"], r.get("seqs"))
         by_wl.setdefault(key, {})[f"{r['provider']}|{r['mode']}"] = r
-    for (preset, dt, pairing, phase, tokens), rows in by_wl.items():
+    for (preset, dt, pairing, phase, tokens, seqs), rows in by_wl.items():
         parts = []
         ip, out, bwd = rows.get(f"{name}|inplace"), rows.get(f"{name}|out"), rows.get(f"{name}|backward")
         if ip and "frac_ceiling" in ip:
             parts.append(
                 f"in place {100 * ip['frac_ceiling']:.0f}% of stream (best runs "
                 f"{100 * ip['frac_ceiling_min']:.0f}%)"
+            )
+        vl, vp = rows.get(f"{name}+varlen|inplace"), rows.get("varlen_positions|part")
+        if vl and "frac_ceiling" in vl:
+            parts.append(
+                f"with varlen_positions {100 * vl['frac_ceiling']:.0f}% of stream (best runs "
+                f"{100 * vl['frac_ceiling_min']:.0f}%)"
+            )
+        if vp and "frac_rotation" in vp:
+            parts.append(
+                f"varlen_positions {100 * vp['frac_rotation']:.1f}% of the rotation (best runs "
+                f"{100 * vp['frac_rotation_min']:.1f}%)"
             )
         if out and "frac_ceiling" in out:
             parts.append(
@@ -172,7 +203,28 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
             if r and "x_noop_call" in r and phase == "decode":
                 parts.append(f"{r['mode']} call {r['x_noop_call']:.2f}x no-op")
         if parts:
-            lines.append(f"{name} {preset} {dt} {pairing} {phase} T={tokens}: " + ", ".join(parts))
+            wl = f"{preset} {dt} {pairing} {phase} T={tokens}" + (f" seqs={seqs}" if seqs else "")
+            lines.append(f"{name} {wl}: " + ", ".join(parts))
+    # The same prefill packed as different numbers of sequences: the token-parallel grid should not care.
+    by_seqs: dict[tuple, list[dict[str, Any]]] = {}
+    for (preset, dt, pairing, phase, tokens, seqs), rows in by_wl.items():
+        ip = rows.get(f"{name}|inplace")
+        if seqs and ip and "frac_ceiling" in ip:
+            by_seqs.setdefault((preset, dt, pairing, phase, tokens), []).append(ip)
+    for (preset, dt, pairing, phase, tokens), ips in by_seqs.items():
+        if len(ips) < 2:
+            continue
+        each = ", ".join(
+            f"{r['seqs']}: {_fmt_time(r['median_s'])} {100 * r['frac_ceiling']:.0f}% "
+            f"({100 * r['frac_ceiling_min']:.0f}%)"
+            for r in ips
+        )
+        fr = [r["frac_ceiling"] for r in ips]
+        fm = [r["frac_ceiling_min"] for r in ips]
+        lines.append(
+            f"{name} in place by sequences, {preset} {dt} {pairing} {phase} T={tokens}: {each}; "
+            f"% of stream max / min {max(fr) / min(fr):.2f}x (best runs {max(fm) / min(fm):.2f}x)"
+        )
     return lines
 
 
@@ -186,6 +238,7 @@ CSV_FIELDS = [
     "dtype",
     "phase",
     "tokens",
+    "seqs",
     "mode",
     "provider",
     "kind",
@@ -204,6 +257,8 @@ CSV_FIELDS = [
     "speedup_vs_eager",
     "x_noop_call",
     "x_forward",
+    "frac_rotation",
+    "frac_rotation_min",
     "input_sets",
     "detail",
 ]
@@ -251,7 +306,14 @@ def plot(result: dict[str, Any], path: str) -> None:
         for r in rs:
             if r["provider"] == "no-op call":
                 continue
-            lines.setdefault((r["provider"], r["mode"]), []).append((r["tokens"], r["gbps"]))
+            if r["kind"] == "ceiling" and any(
+                x == r["tokens"] for x, _ in lines.get((r["provider"], "ceiling"), [])
+            ):
+                continue  # one ceiling point per token count (packed workloads repeat it per sequence count)
+            label = r["provider"] + (
+                f", {r['seqs']} seqs" if r.get("seqs") and r["kind"] != "ceiling" else ""
+            )
+            lines.setdefault((label, r["mode"]), []).append((r["tokens"], r["gbps"]))
         for (name, mode), pts in sorted(lines.items(), key=lambda kv: (kv[0][1] == "ceiling", kv[0])):
             pts.sort()
             xs, ys = zip(*pts, strict=True)

@@ -2,7 +2,8 @@
 
 Timing runs in several rounds, each running every provider and every ceiling once in turn, so that noise
 from other processes hits them alike; the median over all rounds is reported with its spread (25th-75th
-percentiles).
+percentiles). Parts (:mod:`.parts`, e.g. ``varlen_positions`` of a packed workload) are timed in the same
+rounds and reported as a fraction of the rotation they feed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import rope_ext
 
 from .ceilings import CEILING_FOR_MODE, ceilings
+from .parts import PART_OF, parts
 from .presets import dtype_name
 from .providers import PROVIDERS, Provider, Skip
 from .timing import Timer, set_cpu_allocator, stats
@@ -64,8 +66,8 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Runs every workload of ``cfg``; returns ``{"machine", "config", "rows", "notes"}``.
 
-    Each row is one (workload, provider) or (workload, ceiling): status ``ok`` (timed), ``wrong``
-    (disagrees with the float64 reference; not timed) or ``error`` (raised; not timed).
+    Each row is one (workload, provider), (workload, ceiling) or (workload, part): status ``ok`` (timed),
+    ``wrong`` (disagrees with the float64 reference; not timed) or ``error`` (raised; not timed).
     """
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -82,6 +84,8 @@ def run_benchmark(
     if device.type == "cpu":
         machine["cpu_allocator"] = set_cpu_allocator(cfg.allocator)
     wls = workloads(cfg)
+    if cfg.seqs and any(p.mrope_section is not None for p in cfg.presets):
+        notes["--seqs packs presets with one position per token; MRoPE presets ran unpacked prefills"] = None
     bar = None
     if cfg.progress:
         try:
@@ -91,10 +95,13 @@ def run_benchmark(
         except ImportError:
             bar = None
 
-    for preset, tokens, phase, dtype, il in wls:
+    for preset, tokens, phase, dtype, il, seqs in wls:
         if bar is not None:
-            bar.set_postfix_str(f"{preset.name} {dtype_name(dtype)} {'il' if il else 'half'} T={tokens}")
-        case = make_case(preset, tokens, phase, dtype, il, device)
+            bar.set_postfix_str(
+                f"{preset.name} {dtype_name(dtype)} {'il' if il else 'half'} T={tokens}"
+                + (f" seqs={seqs}" if seqs else "")
+            )
+        case = make_case(preset, tokens, phase, dtype, il, device, seqs=seqs)
         base = {
             "preset": preset.name,
             "q_heads": preset.q_heads,
@@ -105,7 +112,10 @@ def run_benchmark(
             "dtype": dtype_name(dtype),
             "phase": phase,
             "tokens": tokens,
+            "seqs": seqs or None,
+            "mrope_section": list(preset.mrope_section) if preset.mrope_section else None,
             "bytes": case.bytes_moved(),
+            "qk_bytes": sum(case.qk_bytes()),
         }
         n_sets = input_sets(case, cfg.cache)
         cases = [case] + [case.copy_inputs() for _ in range(n_sets - 1)]
@@ -143,6 +153,14 @@ def run_benchmark(
             wl_rows[key] = row
             rows.append(row)
             runners[key] = fn
+        for name, fn in parts(case).items():
+            if cfg.providers is not None and name not in cfg.providers:
+                continue
+            key = f"{name}|part"
+            row = {**base, "provider": name, "mode": "part", "kind": "part", "status": "ok"}
+            wl_rows[key] = row
+            rows.append(row)
+            runners[key] = fn
         # Time in rounds: every runner once per round, in turn.
         for fn in runners.values():
             timer.warm(fn)
@@ -166,7 +184,8 @@ def run_benchmark(
 
 
 def _derive(wl: dict[str, dict[str, Any]]) -> None:
-    """GB/s, fraction of the mode's ceiling, speedup vs eager and call-overhead ratio, in place."""
+    """GB/s, fraction of the mode's ceiling, speedup vs eager, call-overhead ratio and parts' fraction of
+    the rotation, in place."""
     eager = {r["mode"]: r for r in wl.values() if r.get("baseline") and "median_s" in r}
     # On a GPU the decode floor is the device time of a tiny kernel; on a CPU, the cost of a call.
     noop = wl.get("tiny kernel|ceiling") or wl.get("no-op call|ceiling")
@@ -174,10 +193,15 @@ def _derive(wl: dict[str, dict[str, Any]]) -> None:
         t = r.get("median_s")
         if not t:
             continue
+        if r["kind"] == "part":
+            whole = wl.get(PART_OF[r["provider"]])
+            if whole and whole.get("median_s"):
+                r["frac_rotation"] = t / whole["median_s"]
+                r["frac_rotation_min"] = r["min_s"] / whole["min_s"]
+            continue
         r["gbps"] = r["bytes"] / t / 1e9
         if r["kind"] == "ceiling":
-            nbytes = r["bytes"] - r["tokens"] * (r["rotary_dim"] * 4 + 8)  # q and k only
-            r["gbps"] = nbytes / t / 1e9
+            r["gbps"] = 2 * r["qk_bytes"] / t / 1e9  # q and k read and written, no cos/sin or positions
             continue
         ceil = wl.get(f"{CEILING_FOR_MODE[r['mode']]}|ceiling")
         if ceil and ceil.get("median_s"):

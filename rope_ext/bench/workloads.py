@@ -1,8 +1,16 @@
 """Workloads: the run's configuration, one workload's inputs (:class:`Case`) and its input sets.
 
-A workload is a preset (or custom shape), a token count, a phase, a dtype and a pairing. Its inputs are
-``q [T, Hq, D]``, ``k [T, Hkv, D]`` (token-major, contiguous), ``positions`` (``0..T-1`` for a prefill,
-random positions of a batch of sequences for a decode step) and a float32 cos/sin cache.
+A workload is a preset (or custom shape), a token count, a phase, a dtype, a pairing and, for a packed
+prefill, a number of sequences. Its inputs are ``q [T, Hq, D]``, ``k [T, Hkv, D]`` (token-major,
+contiguous), ``positions`` and a float32 cos/sin cache. Positions (int64):
+
+* prefill: ``0..T-1``;
+* packed prefill (``--seqs N``): ``N`` sequences of mixed lengths summing to ``T``
+  (:func:`packed_cu_seqlens`), positions ``rope_ext.varlen_positions(cu_seqlens, total_tokens=T)``: each
+  sequence counts from 0;
+* decode: random positions in ``[0, DECODE_CONTEXT)``, one token of each of ``T`` sequences;
+* MRoPE presets (``Preset.mrope_section``): ``[3, T]`` (temporal, height, width). Prefill: a prompt of
+  text, one image, text (:func:`mrope_prefill_positions`); decode: text tokens, the three rows equal.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ __all__ = [
     "input_sets",
     "last_level_cache_bytes",
     "make_case",
+    "mrope_prefill_positions",
+    "packed_cu_seqlens",
     "workloads",
 ]
 
@@ -54,6 +64,7 @@ class Config:
     allocator: str = "fresh"  # CPU: see timing.set_cpu_allocator
     cache: str = "cold"  # CPU: see input_sets
     progress: bool = True
+    seqs: list[int] = field(default_factory=list)  # packed prefill: sequence counts (empty: not packed)
 
 
 @dataclass
@@ -68,10 +79,11 @@ class Case:
     device: torch.device
     q: Tensor
     k: Tensor
-    positions: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T], or [3, T] for MRoPE
     cos_sin: Tensor  # float32 [P, rotary_dim]
     grad_q: Tensor
     grad_k: Tensor
+    cu_seqlens: Tensor | None = None  # int32 [N + 1]: a packed prefill of N sequences
     _expected: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property
@@ -82,16 +94,35 @@ class Case:
     def pairing(self) -> str:
         return "interleaved" if self.interleaved else "half-split"
 
+    @property
+    def mrope_section(self) -> tuple[int, int, int] | None:
+        return self.preset.mrope_section
+
+    @property
+    def seqs(self) -> int:
+        """Number of packed sequences; 0 when the workload is not a packed batch."""
+        return 0 if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
+
+    @property
+    def rope_positions(self) -> Tensor:
+        """``positions`` as the ops take them with q ``[T, H, D]``: ``[T, 1]``, or ``[3, T, 1]`` for MRoPE."""
+        return self.positions[..., None]
+
     def expected(self, mode: str) -> tuple[Tensor, Tensor]:
         """Float64 reference: the rotation of (q, k), or for backward the inverse rotation of the grads."""
         key = "backward" if mode == "backward" else "forward"
         if key not in self._expected:
-            pos = self.positions[:, None]
+            pos = self.rope_positions.cpu()
             inverse = key == "backward"
             a, b = (self.grad_q, self.grad_k) if inverse else (self.q, self.k)
             self._expected[key] = tuple(  # type: ignore[assignment]
                 reference.rotary_hadamard(
-                    t.cpu(), pos.cpu(), self.cos_sin.cpu(), interleaved=self.interleaved, inverse=inverse
+                    t.cpu(),
+                    pos,
+                    self.cos_sin.cpu(),
+                    interleaved=self.interleaved,
+                    inverse=inverse,
+                    mrope_section=self.mrope_section,
                 )
                 for t in (a, b)
             )
@@ -108,17 +139,30 @@ class Case:
         )
 
     def bytes_moved(self) -> int:
-        """q and k read and written once, one cos/sin row and one position read per token."""
+        """q and k read and written once, one cos/sin row and the positions (3 for MRoPE) read per token."""
         qk = self.q.numel() * self.q.element_size() + self.k.numel() * self.k.element_size()
-        return 2 * qk + self.tokens * (self.rotary_dim * self.cos_sin.element_size() + 8)
+        pos = self.positions.numel() * self.positions.element_size()
+        return 2 * qk + self.tokens * self.rotary_dim * self.cos_sin.element_size() + pos
 
     def qk_bytes(self) -> tuple[int, int]:
         return self.q.numel() * self.q.element_size(), self.k.numel() * self.k.element_size()
 
+    def cos_sin_rows(self) -> Tensor:
+        """Each token's cos/sin row, ``[T, rotary_dim]`` float32 (cos half, then sin half).
+
+        MRoPE: pair ``j`` from the row of its section, as HF's ``apply_multimodal_rotary_pos_emb`` builds
+        its cos and sin once per forward.
+        """
+        rows = self.cos_sin[self.positions]  # [T, R], or [3, T, R]
+        if self.mrope_section is not None:
+            sec = reference.mrope_rows(self.rotary_dim // 2, self.mrope_section).to(rows.device)
+            rows = rows.gather(0, torch.cat([sec, sec]).expand(1, *rows.shape[1:]))[0]
+        return rows
+
     def hf_cos_sin(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """HF-style ``cos``, ``sin`` ``[T, rotary_dim]`` gathered per token, in ``dtype`` (default x's)."""
         h = self.rotary_dim // 2
-        rows = self.cos_sin[self.positions]
+        rows = self.cos_sin_rows()
         c, s = rows[:, :h], rows[:, h:]
         if self.interleaved:
             c, s = c.repeat_interleave(2, dim=-1), s.repeat_interleave(2, dim=-1)
@@ -126,6 +170,41 @@ class Case:
             c, s = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
         dt = dtype or self.dtype
         return c.to(dt).contiguous(), s.to(dt).contiguous()
+
+
+def packed_cu_seqlens(tokens: int, seqs: int, generator: torch.Generator) -> Tensor:
+    """``cu_seqlens`` (int32 ``[seqs + 1]``) of ``seqs`` sequences of mixed lengths summing to ``tokens``.
+
+    The ``seqs - 1`` cuts are distinct tokens drawn uniformly from ``1..tokens-1``: every sequence has at
+    least one token, lengths spread roughly exponentially around ``tokens / seqs`` (many short ones, a few
+    several times the mean), deterministic for a seeded ``generator``.
+    """
+    if not 1 <= seqs <= tokens:
+        raise ValueError(f"a packed batch needs 1 <= seqs <= tokens, got {seqs} sequences of {tokens} tokens")
+    cuts = torch.randperm(tokens - 1, generator=generator)[: seqs - 1] + 1
+    ends = torch.tensor([0, tokens])
+    return torch.cat([ends[:1], cuts.sort().values, ends[1:]]).to(torch.int32)
+
+
+def mrope_prefill_positions(tokens: int) -> Tensor:
+    """MRoPE positions ``[3, tokens]`` (int64) of a prompt: text, one image, text.
+
+    The image is a square grid of ``s x s`` tokens (after Qwen2-VL's 2x2 patch merge), ``s =
+    isqrt(tokens / 2)``: about half the prompt; the text before it takes half of the rest. As Qwen2-VL's
+    ``get_rope_index`` numbers them: a text token's three rows are equal and count on from the previous
+    token; the image's tokens share the temporal position ``a`` (the number of text tokens before it)
+    and have height ``a + row``, width ``a + column``; the text after it starts at ``a + s``.
+    """
+    s = math.isqrt(tokens // 2)
+    a = (tokens - s * s) // 2
+    b = tokens - s * s - a
+    grid = torch.arange(s)
+    image = torch.stack(
+        [torch.full((s * s,), a), a + grid.repeat_interleave(s), a + grid.repeat(s)]
+    )  # rows (t, h, w), tokens in row-major order of the grid
+    return torch.cat(
+        [torch.arange(a).expand(3, a), image, torch.arange(a + s, a + s + b).expand(3, b)], dim=1
+    ).to(torch.int64)
 
 
 def make_case(
@@ -136,12 +215,26 @@ def make_case(
     interleaved: bool,
     device: torch.device,
     seed: int = 0,
+    seqs: int = 0,
 ) -> Case:
-    """Random q, k, grads (standard normal) and positions for one workload."""
+    """Random q, k, grads (standard normal) and positions for one workload (``seqs``: a packed prefill)."""
     g = torch.Generator().manual_seed(seed)
+    mrope = preset.mrope_section is not None
+    cu_seqlens = None
+    if seqs and (phase != "prefill" or mrope):
+        raise ValueError("packed workloads (seqs) are prefills of presets with one position per token")
     if phase == "decode":
         positions = torch.randint(0, DECODE_CONTEXT, (tokens,), generator=g, dtype=torch.int64)
+        if mrope:
+            positions = positions.expand(3, tokens).contiguous()
         n_pos = DECODE_CONTEXT
+    elif seqs:
+        cu_seqlens = packed_cu_seqlens(tokens, seqs, g)
+        positions = rope_ext.varlen_positions(cu_seqlens, total_tokens=tokens, dtype=torch.int64)
+        n_pos = max(tokens, 1)
+    elif mrope:
+        positions = mrope_prefill_positions(tokens)
+        n_pos = int(positions.max()) + 1 if tokens else 1
     else:
         positions = torch.arange(tokens, dtype=torch.int64)
         n_pos = max(tokens, 1)
@@ -163,6 +256,7 @@ def make_case(
         cos_sin=cos_sin.to(device),
         grad_q=rnd(preset.q_heads).to(device),
         grad_k=rnd(preset.kv_heads).to(device),
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
     )
 
 
@@ -171,8 +265,13 @@ def clones(case: Case) -> tuple[Tensor, Tensor]:
     return case.q.clone(), case.k.clone()
 
 
-def workloads(cfg: Config) -> list[tuple[Preset, int, str, torch.dtype, bool]]:
-    """Every ``(preset, tokens, phase, dtype, interleaved)`` of ``cfg``, in run order."""
+def workloads(cfg: Config) -> list[tuple[Preset, int, str, torch.dtype, bool, int]]:
+    """Every ``(preset, tokens, phase, dtype, interleaved, seqs)`` of ``cfg``, in run order.
+
+    ``seqs`` is 0 for a workload that is not packed. With ``cfg.seqs``, every prefill of a preset with one
+    position per token is a packed batch of each of those sequence counts (counts above the token count
+    skipped); MRoPE presets keep their plain prefill.
+    """
     out = []
     for preset in cfg.presets:
         pairs: list[bool] = []
@@ -180,11 +279,13 @@ def workloads(cfg: Config) -> list[tuple[Preset, int, str, torch.dtype, bool]]:
             il = preset.interleaved if p == "model" else p == "interleaved"
             if il not in pairs:
                 pairs.append(il)
+        packed = cfg.seqs if cfg.seqs and preset.mrope_section is None else [0]
         for dt in cfg.dtypes:
             for il in pairs:
-                for phase, toks in (("decode", cfg.decode_tokens), ("prefill", cfg.prefill_tokens)):
-                    for t in toks:
-                        out.append((preset, t, phase, dt, il))
+                for t in cfg.decode_tokens:
+                    out.append((preset, t, "decode", dt, il, 0))
+                for t in cfg.prefill_tokens:
+                    out += [(preset, t, "prefill", dt, il, n) for n in packed if n <= t]
     return out
 
 

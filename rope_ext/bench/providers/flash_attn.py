@@ -12,7 +12,7 @@ from . import Runner, Skip, provider
 
 def _flash_attn_cos_sin(case: Case) -> tuple[Tensor, Tensor]:
     h = case.rotary_dim // 2
-    rows = case.cos_sin[case.positions]  # [T, rotary_dim]: per-token rows give arbitrary positions
+    rows = case.cos_sin_rows()  # [T, rotary_dim]: per-token rows give arbitrary positions (and MRoPE)
     return rows[:, :h].contiguous(), rows[:, h:].contiguous()
 
 

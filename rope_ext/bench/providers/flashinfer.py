@@ -8,12 +8,18 @@ from ..workloads import Case, clones
 from . import Runner, Skip, flat, provider
 
 
+def _no_mrope(case: Case) -> None:
+    if case.mrope_section is not None:
+        raise Skip("MRoPE: flashinfer's cos/sin-cache rope takes one position per token")
+
+
 @provider("flashinfer", "inplace")
 def _flashinfer_inplace(case: Case) -> Runner:
     try:
         from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
     except Exception as e:
         raise Skip(f"flashinfer not importable ({type(e).__name__})") from None
+    _no_mrope(case)
     q, k = clones(case)
     pos, cs, d, neox = case.positions, case.cos_sin, case.preset.head_dim, not case.interleaved
     qf, kf = flat(q), flat(k)
@@ -31,6 +37,7 @@ def _flashinfer_out(case: Case) -> Runner:
         from flashinfer.rope import apply_rope_with_cos_sin_cache
     except Exception as e:
         raise Skip(f"flashinfer not importable ({type(e).__name__})") from None
+    _no_mrope(case)
     pos, cs, d, neox = case.positions, case.cos_sin, case.preset.head_dim, not case.interleaved
     qf, kf = flat(case.q), flat(case.k)
     shapes = case.q.shape, case.k.shape

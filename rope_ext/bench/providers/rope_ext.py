@@ -1,4 +1,8 @@
-"""rope_ext's own ops: in place, out of place and backward (``rope_ext.apply_rotary_qk[_]``)."""
+"""rope_ext's own ops: in place, out of place and backward (``rope_ext.apply_rotary_qk[_]``).
+
+MRoPE presets pass ``mrope_section`` with their ``[3, T, 1]`` positions. ``rope_ext+varlen`` (packed
+workloads): ``rope_ext.varlen_positions`` then the rotation in place, timed together.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,11 @@ from . import Runner, Skip, provider
 @provider("rope_ext", "inplace")
 def _rope_ext_inplace(case: Case) -> Runner:
     q, k = clones(case)
-    pos, cs, il = case.positions[:, None], case.cos_sin, case.interleaved
+    pos, cs, il, sec = case.rope_positions, case.cos_sin, case.interleaved, case.mrope_section
     apply = rope_ext.apply_rotary_qk_
 
     def run() -> tuple[Tensor, Tensor]:
-        apply(q, k, pos, cs, interleaved=il)
+        apply(q, k, pos, cs, interleaved=il, mrope_section=sec)
         return q, k
 
     return run
@@ -27,17 +31,39 @@ def _rope_ext_inplace(case: Case) -> Runner:
 @provider("rope_ext", "out")
 def _rope_ext_out(case: Case) -> Runner:
     q, k = case.q, case.k
-    pos, cs, il = case.positions[:, None], case.cos_sin, case.interleaved
+    pos, cs, il, sec = case.rope_positions, case.cos_sin, case.interleaved, case.mrope_section
     apply = rope_ext.apply_rotary_qk
-    return lambda: apply(q, k, pos, cs, interleaved=il)
+    return lambda: apply(q, k, pos, cs, interleaved=il, mrope_section=sec)
 
 
 @provider("rope_ext", "backward")
 def _rope_ext_backward(case: Case) -> Runner:
     q, k = (t.clone().requires_grad_(True) for t in (case.q, case.k))
-    outs = rope_ext.apply_rotary_qk(q, k, case.positions[:, None], case.cos_sin, interleaved=case.interleaved)
+    outs = rope_ext.apply_rotary_qk(
+        q,
+        k,
+        case.rope_positions,
+        case.cos_sin,
+        interleaved=case.interleaved,
+        mrope_section=case.mrope_section,
+    )
     grads = (case.grad_q, case.grad_k)
     return lambda: torch.autograd.grad(outs, (q, k), grads, retain_graph=True)
+
+
+@provider("rope_ext+varlen", "inplace")
+def _rope_ext_varlen(case: Case) -> Runner:
+    if case.cu_seqlens is None:
+        raise Skip("for packed workloads (--seqs)")
+    q, k = clones(case)
+    cu, tokens, cs, il = case.cu_seqlens, case.tokens, case.cos_sin, case.interleaved
+    positions, apply = rope_ext.varlen_positions, rope_ext.apply_rotary_qk_
+
+    def run() -> tuple[Tensor, Tensor]:
+        apply(q, k, positions(cu, total_tokens=tokens)[:, None], cs, interleaved=il)
+        return q, k
+
+    return run
 
 
 def _forced_isa(isa: str, build):

@@ -14,6 +14,8 @@ def _vllm(case: Case) -> Runner:
         from vllm import _custom_ops as vllm_ops
     except Exception as e:  # ImportError, or a broken install
         raise Skip(f"vllm not importable ({type(e).__name__})") from None
+    if case.mrope_section is not None:
+        raise Skip("MRoPE: vllm's rotary_embedding op takes one position per token")
     q, k = clones(case)
     cache = case.cos_sin.to(case.dtype)  # vLLM matches the cache to the query dtype
     pos, d, neox = case.positions, case.preset.head_dim, not case.interleaved
