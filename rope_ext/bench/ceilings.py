@@ -35,10 +35,9 @@ def noop_op() -> Callable[..., None]:
     global _noop_lib
     if _noop_lib is None:
         _noop_lib = torch.library.Library("rope_bench", "DEF")
-        _noop_lib.define(
-            "noop_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
-            "bool interleaved=False, bool inverse=False) -> ()"
-        )
+        # rotary_qk_'s own schema (so it follows every change to it), renamed.
+        schema = str(torch.ops.rope_ext.rotary_qk_.default._schema)
+        _noop_lib.define(schema.replace("rope_ext::rotary_qk_", "noop_qk_", 1))
         _noop_lib.impl("noop_qk_", lambda *args: None, "CompositeExplicitAutograd")
     return torch.ops.rope_bench.noop_qk_.default
 
@@ -61,7 +60,10 @@ def ceilings(case: Case) -> dict[str, Callable[[], Any]]:
         "stream in-place": lambda: a.mul_(1.0),
         "clone": lambda: (q.clone(), k.clone()),
         "copy into": lambda: a.copy_(src),
-        "no-op call": lambda: noop(qn, kn, pos, cs, False, False),
+        # called as apply_rotary_qk_ calls rotary_qk_: the pairing passed only when interleaved
+        "no-op call": (lambda: noop(qn, kn, pos, cs, True))
+        if case.interleaved
+        else (lambda: noop(qn, kn, pos, cs)),
     }
     if dev.type == "cuda":
         # The device time of launching a kernel that does (almost) nothing: the floor for decode steps.
