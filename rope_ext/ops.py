@@ -87,6 +87,11 @@ def _sections(mrope_section) -> list[int] | None:
     return list(mrope_section)
 
 
+def _int_triple(v) -> bool:
+    """Whether ``v`` is a tuple or list of three ints (an ``mrope_section`` the op takes as it is)."""
+    return type(v) in (tuple, list) and len(v) == 3 and type(v[0]) is type(v[1]) is type(v[2]) is int
+
+
 def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
     if (
         _check_positions_on_device
@@ -194,20 +199,20 @@ def apply_rotary_qk_(
         and not q.requires_grad
         and (k is None or (type(k) is Tensor and not k.requires_grad))
         and type(rotary_offset) is int
-        and mrope_section is None
+        and (mrope_section is None or _int_triple(mrope_section))
         and not _check_positions_on_device
         and not _is_compiling()
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else. Each
         # argument passed costs dispatcher time (~0.1 us): the defaults are left to the schema.
-        if not rotary_offset and not mrope_interleaved:
+        if not rotary_offset and mrope_section is None and not mrope_interleaved:
             if interleaved:
                 _rotary_qk_inplace(q, k, positions, cos_sin, interleaved)
             else:
                 _rotary_qk_inplace(q, k, positions, cos_sin)
         else:
             _rotary_qk_inplace(
-                q, k, positions, cos_sin, interleaved, False, rotary_offset, None, mrope_interleaved
+                q, k, positions, cos_sin, interleaved, False, rotary_offset, mrope_section, mrope_interleaved
             )
         return
     _require_tensor("q", q)

@@ -262,3 +262,55 @@ def test_avx512_builds_round_bf16_identically(isa_switch):
             isa_switch(isa)
             outs.append(rope_ext.apply_rotary(x, pos, cs).view(torch.int16))
         assert torch.equal(*outs)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
+
+
+# (rotary_dim, sections, interleaved sections): vector tables for 64/128 (unrolled) and 96 (generic),
+# 48 (a multiple of 8 but not 16 pairs: AVX-512 builds the merged row), 12 (scalar table).
+MROPE_CONFIGS = [
+    (128, (16, 24, 24), False),
+    (128, (24, 20, 20), True),
+    (64, (8, 12, 12), False),
+    (96, (16, 16, 16), True),
+    (48, (8, 8, 8), False),
+    (12, (2, 2, 2), True),
+]
+
+
+@pytest.mark.parametrize("isa", ARCH_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_equals_plain_rotation_of_the_gathered_rows(isa_switch, isa, dtype, interleaved):
+    """MRoPE pairs each feature pair with the cos/sin row of its section's position. Gathering those rows
+    into one table per token in Python and rotating with positions 0..T-1 must give the same bits: every
+    way a set builds the MRoPE table (masked loads from the three rows, or the merged row) is a copy."""
+    isa_switch(isa)
+    g = torch.Generator().manual_seed(7)
+    T, max_pos = 37, 200
+    for R, sec, mil in MROPE_CONFIGS:
+        D = R + 6
+        q = torch.randn(T, 5, D, generator=g).to(dtype)
+        k = torch.randn(T, 2, D, generator=g).to(dtype)
+        pos = torch.randint(0, max_pos, (3, T, 1), generator=g)
+        pos[:, :9] = pos[0, :9]  # text tokens: three equal positions
+        for cs_dtype in (torch.float32, dtype):
+            cs = make_cos_sin(max_pos, R).to(cs_dtype)
+            kw = dict(mrope_section=sec, mrope_interleaved=mil)
+            for inverse in (False, True):
+                qo, ko = q.clone(), k.clone()
+                torch.ops.rope_ext.rotary_qk_(qo, ko, pos, cs, interleaved, inverse, 0, list(sec), mil)
+                # The per-token table: pair j from the row of its section's position.
+                h = R // 2
+                rows = reference.mrope_rows(h, sec, mil)
+                pair_pos = pos[rows, :, 0]  # [h, T]
+                j = torch.arange(h)[:, None]
+                gathered = torch.cat([cs[pair_pos, j].T, cs[pair_pos, h + j].T], -1)
+                qe, ke = q.clone(), k.clone()
+                torch.ops.rope_ext.rotary_qk_(
+                    qe, ke, torch.arange(T)[:, None], gathered, interleaved, inverse
+                )
+                assert torch.equal(_bits(qo), _bits(qe)), (R, sec, cs_dtype, inverse)
+                assert torch.equal(_bits(ko), _bits(ke)), (R, sec, cs_dtype, inverse)

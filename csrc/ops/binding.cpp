@@ -270,13 +270,14 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
   TORCH_CHECK_VALUE(positions.device() == q_in.device(), "positions must be on the device of ",
                     xname, " (", q_in.device(), "), got ", positions.device());
 
-  // MRoPE: positions [3, ...]; the broadcast below is of positions[0], and
-  // sections 1 and 2 sit at the same offsets plus a multiple of stride(0).
+  // MRoPE: positions [3, ...]; the broadcast below is of positions[0] (sizes
+  // and strides without the leading dim, same data pointer), and sections 1
+  // and 2 sit at the same offsets plus a multiple of stride(0).
   const bool mrope = mrope_section.has_value();
   TORCH_CHECK_VALUE(mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
   int mrope_sec[3] = {0, 0, 0};
   int64_t section_stride = 0;
-  at::Tensor pos_tokens = positions;
+  at::IntArrayRef pos_sizes = positions.sizes(), pos_strides = positions.strides();
   if (mrope) {
     const auto sec = *mrope_section;
     const bool ok = sec.size() == 3 && sec[0] >= 0 && sec[1] >= 0 && sec[2] >= 0 &&
@@ -291,23 +292,25 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
                       shape_str(positions.sizes()));
     for (int s = 0; s < 3; ++s) mrope_sec[s] = int(sec[s]);
     section_stride = positions.stride(0);
-    pos_tokens = positions.select(0, 0);
+    pos_sizes = pos_sizes.slice(1);
+    pos_strides = pos_strides.slice(1);
   }
 
   const int64_t n = q_in.dim() - 1;
   const at::IntArrayRef qb = q_in.sizes().slice(0, n);
   const at::IntArrayRef kb = k_in ? k_in->sizes().slice(0, n) : qb;
   auto not_broadcastable = [&](const char* target, at::IntArrayRef shape) {
-    return c10::str("positions of shape ", shape_str(pos_tokens.sizes()),
-                    " must be broadcastable to ", target, ".shape[:-1] = ", shape_str(shape));
+    return c10::str("positions of shape ", shape_str(pos_sizes), " must be broadcastable to ",
+                    target, ".shape[:-1] = ", shape_str(shape));
   };
-  TORCH_CHECK_VALUE(pos_tokens.dim() <= n, not_broadcastable(xname, qb));
+  const int64_t pos_dim = int64_t(pos_sizes.size());
+  TORCH_CHECK_VALUE(pos_dim <= n, not_broadcastable(xname, qb));
 
   std::vector<Dim> tok, qh, kh;
   for (int64_t d = 0; d < n; ++d) {
-    const int64_t pd = d - (n - pos_tokens.dim());
-    const int64_t psize = pd >= 0 ? pos_tokens.size(pd) : 1;
-    const int64_t pstride = pd >= 0 && psize > 1 ? pos_tokens.stride(pd) : 0;
+    const int64_t pd = d - (n - pos_dim);
+    const int64_t psize = pd >= 0 ? pos_sizes[pd] : 1;
+    const int64_t pstride = pd >= 0 && psize > 1 ? pos_strides[pd] : 0;
     TORCH_CHECK_VALUE(psize == 1 || psize == qb[d], not_broadcastable(xname, qb));
     TORCH_CHECK_VALUE(psize == 1 || psize == kb[d], not_broadcastable("k", kb));
     const int64_t qin = q_in.stride(d), qout = q_out.stride(d);
@@ -348,7 +351,7 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
     p.t[1].copy_pass = !k_out->is_same(*k_in);
     fill_heads(p.t[1], coalesce(kh, 2));
   }
-  p.positions = pos_tokens.data_ptr();
+  p.positions = positions.data_ptr();
   for (int i = 0; i < 3; ++i) p.mrope_section[i] = mrope_sec[i];
   p.mrope_interleaved = mrope_interleaved;
   p.pos_section_stride = section_stride;

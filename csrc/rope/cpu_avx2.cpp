@@ -115,52 +115,9 @@ struct Avx2Head : ScalarTable {
     const int h = r / 2;
     constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
     if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
-      if (h % 8 == 0 && (!kBf16 || h % 16 == 0 || Interleaved)) {
-        const __m256 sg = _mm256_set1_ps(sign);
-        const __m256 qnan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
-        // NaN -> canonical quiet NaN (only needed in the bf16 copy).
-        auto canon = [&](__m256 v) {
-          return kBf16 ? _mm256_blendv_ps(v, qnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)) : v;
-        };
-        float* perm = tab + 2 * r;
-        for (int j = 0; j < h; j += 8) {
-          const __m256 c = _mm256_loadu_ps(row + j);
-          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + h + j), sg);
-          if (Interleaved) {
-            // c0 c0 c1 c1 .. and -s0 s0 -s1 s1 ..
-            const __m256 ns = _mm256_sub_ps(_mm256_setzero_ps(), s);
-            const __m256 clo = _mm256_unpacklo_ps(c, c), chi = _mm256_unpackhi_ps(c, c);
-            const __m256 slo = _mm256_unpacklo_ps(ns, s), shi = _mm256_unpackhi_ps(ns, s);
-            _mm256_storeu_ps(tab + 2 * j, _mm256_permute2f128_ps(clo, chi, 0x20));
-            _mm256_storeu_ps(tab + 2 * j + 8, _mm256_permute2f128_ps(clo, chi, 0x31));
-            _mm256_storeu_ps(tab + r + 2 * j, _mm256_permute2f128_ps(slo, shi, 0x20));
-            _mm256_storeu_ps(tab + r + 2 * j + 8, _mm256_permute2f128_ps(slo, shi, 0x31));
-            if (kBf16) {
-              // lo lanes: first features of pairs j..j+7; hi lanes: second features.
-              _mm256_storeu_ps(perm + 2 * j, canon(c));
-              _mm256_storeu_ps(perm + 2 * j + 8, canon(c));
-              _mm256_storeu_ps(perm + r + 2 * j, canon(ns));
-              _mm256_storeu_ps(perm + r + 2 * j + 8, canon(s));
-            }
-          } else {
-            _mm256_storeu_ps(tab + j, c);
-            _mm256_storeu_ps(tab + h + j, s);
-          }
-        }
-        if (kBf16 && !Interleaved) {
-          // Blocks of 16 pairs: even pairs, then odd pairs.
-          for (int part = 0; part < r; part += h)
-            for (int j = 0; j < h; j += 16) {
-              const __m256 a = _mm256_loadu_ps(tab + part + j);
-              const __m256 b = _mm256_loadu_ps(tab + part + j + 8);
-              const __m256 ev = _mm256_castpd_ps(
-                  _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-              const __m256 od = _mm256_castpd_ps(
-                  _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
-              _mm256_storeu_ps(perm + part + j, canon(ev));
-              _mm256_storeu_ps(perm + part + j + 8, canon(od));
-            }
-        }
+      if (vector_table<kBf16, Interleaved>(h)) {
+        build_table_vector<kBf16, Interleaved>([row](int i) { return _mm256_loadu_ps(row + i); },
+                                               sign, tab, r);
         return;
       }
     }
@@ -178,6 +135,94 @@ struct Avx2Head : ScalarTable {
           }
         for (; b < n; ++b) perm[part + b] = tab[part + b];
       }
+    }
+  }
+
+  // Whether build_table_vector serves rotary_dim 2h.
+  template <bool kBf16, bool Interleaved>
+  static constexpr bool vector_table(int h) {
+    return h % 8 == 0 && (!kBf16 || h % 16 == 0 || Interleaved);
+  }
+
+  // MRoPE: the table of the row that pairs its features from rows[0..2] by
+  // `section` (section[j] = the row of pair j), without building that row:
+  // each vector of eight pairs is blended from the three rows. Float cos/sin
+  // rows whose halves are whole vectors only; returns false to have the
+  // caller build the merged row instead.
+  template <class T, class CS, bool Interleaved, class A>
+  static bool build_table_mrope(const CS* const rows[3], const uint8_t* section, A sign, A* tab,
+                                int r_) {
+    const int r = R ? R : r_;
+    constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
+    if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
+      const int h = r / 2;
+      if (!vector_table<kBf16, Interleaved>(h)) return false;
+      const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2);
+      auto load = [&](int i) {  // features [i, i + 8) of the merged row
+        const int j = i < h ? i : i - h;
+        const __m256i sec =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(section + j)));
+        __m256 v = _mm256_loadu_ps(rows[0] + i);
+        v = _mm256_blendv_ps(v, _mm256_loadu_ps(rows[1] + i),
+                             _mm256_castsi256_ps(_mm256_cmpeq_epi32(sec, one)));
+        return _mm256_blendv_ps(v, _mm256_loadu_ps(rows[2] + i),
+                                _mm256_castsi256_ps(_mm256_cmpeq_epi32(sec, two)));
+      };
+      build_table_vector<kBf16, Interleaved>(load, sign, tab, r);
+      return true;
+    }
+    return false;
+  }
+
+  // build_table's vector code: `load(i)` gives the floats [i, i + 8) of the
+  // cos/sin row.
+  template <bool kBf16, bool Interleaved, class Load>
+  static void build_table_vector(const Load& load, float sign, float* tab, int r) {
+    const int h = r / 2;
+    const __m256 sg = _mm256_set1_ps(sign);
+    const __m256 qnan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+    // NaN -> canonical quiet NaN (only needed in the bf16 copy).
+    auto canon = [&](__m256 v) {
+      return kBf16 ? _mm256_blendv_ps(v, qnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)) : v;
+    };
+    float* perm = tab + 2 * r;
+    for (int j = 0; j < h; j += 8) {
+      const __m256 c = load(j);
+      const __m256 s = _mm256_mul_ps(load(h + j), sg);
+      if (Interleaved) {
+        // c0 c0 c1 c1 .. and -s0 s0 -s1 s1 ..
+        const __m256 ns = _mm256_sub_ps(_mm256_setzero_ps(), s);
+        const __m256 clo = _mm256_unpacklo_ps(c, c), chi = _mm256_unpackhi_ps(c, c);
+        const __m256 slo = _mm256_unpacklo_ps(ns, s), shi = _mm256_unpackhi_ps(ns, s);
+        _mm256_storeu_ps(tab + 2 * j, _mm256_permute2f128_ps(clo, chi, 0x20));
+        _mm256_storeu_ps(tab + 2 * j + 8, _mm256_permute2f128_ps(clo, chi, 0x31));
+        _mm256_storeu_ps(tab + r + 2 * j, _mm256_permute2f128_ps(slo, shi, 0x20));
+        _mm256_storeu_ps(tab + r + 2 * j + 8, _mm256_permute2f128_ps(slo, shi, 0x31));
+        if (kBf16) {
+          // lo lanes: first features of pairs j..j+7; hi lanes: second features.
+          _mm256_storeu_ps(perm + 2 * j, canon(c));
+          _mm256_storeu_ps(perm + 2 * j + 8, canon(c));
+          _mm256_storeu_ps(perm + r + 2 * j, canon(ns));
+          _mm256_storeu_ps(perm + r + 2 * j + 8, canon(s));
+        }
+      } else {
+        _mm256_storeu_ps(tab + j, c);
+        _mm256_storeu_ps(tab + h + j, s);
+      }
+    }
+    if (kBf16 && !Interleaved) {
+      // Blocks of 16 pairs: even pairs, then odd pairs.
+      for (int part = 0; part < r; part += h)
+        for (int j = 0; j < h; j += 16) {
+          const __m256 a = _mm256_loadu_ps(tab + part + j);
+          const __m256 b = _mm256_loadu_ps(tab + part + j + 8);
+          const __m256 ev = _mm256_castpd_ps(
+              _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+          const __m256 od = _mm256_castpd_ps(
+              _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+          _mm256_storeu_ps(perm + part + j, canon(ev));
+          _mm256_storeu_ps(perm + part + j + 8, canon(od));
+        }
     }
   }
 

@@ -153,7 +153,8 @@ struct Avx512Head : ScalarTable {
     constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
     if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
       if (h % 16 == 0) {
-        build_table_vector<kBf16, Interleaved>(row, sign, tab, r);
+        build_table_vector<kBf16, Interleaved>([row](int i) { return _mm512_loadu_ps(row + i); },
+                                               sign, tab, r);
         return;
       }
     }
@@ -177,10 +178,38 @@ struct Avx512Head : ScalarTable {
     }
   }
 
+  // MRoPE: the table of the row that pairs its features from rows[0..2] by
+  // `section` (section[j] = the row of pair j), without building that row:
+  // each vector of sixteen pairs is loaded from row 0, then overwritten where
+  // the pairs belong to rows 1 and 2 by masked loads. Float cos/sin rows
+  // whose halves are whole vectors only; returns false to have the caller
+  // build the merged row instead.
+  template <class T, class CS, bool Interleaved, class A>
+  static bool build_table_mrope(const CS* const rows[3], const uint8_t* section, A sign, A* tab,
+                                int r_) {
+    const int r = R ? R : r_;
+    if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
+      const int h = r / 2;
+      if (h % 16 != 0) return false;
+      const __m128i one = _mm_set1_epi8(1), two = _mm_set1_epi8(2);
+      auto load = [&](int i) {  // features [i, i + 16) of the merged row
+        const int j = i < h ? i : i - h;
+        const __m128i sec = _mm_loadu_si128(reinterpret_cast<const __m128i*>(section + j));
+        __m512 v = _mm512_loadu_ps(rows[0] + i);
+        v = _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, one), rows[1] + i);
+        return _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, two), rows[2] + i);
+      };
+      build_table_vector<std::is_same_v<T, BFloat16>, Interleaved>(load, sign, tab, r);
+      return true;
+    }
+    return false;
+  }
+
   // build_table for float cos/sin rows whose halves are whole vectors (all
-  // models'): the same tables, sixteen lanes at a time.
-  template <bool kBf16, bool Interleaved>
-  static void build_table_vector(const float* row, float sign, float* tab, int r) {
+  // models'): the same tables, sixteen lanes at a time, from `load(i)`, the
+  // floats [i, i + 16) of the cos/sin row.
+  template <bool kBf16, bool Interleaved, class Load>
+  static void build_table_vector(const Load& load, float sign, float* tab, int r) {
     const int h = r / 2;
     const __m512 sg = _mm512_set1_ps(sign);
     const __m512 qnan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
@@ -195,8 +224,8 @@ struct Avx512Head : ScalarTable {
           _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
       const __m512i zip_hi = _mm512_add_epi32(zip_lo, _mm512_set1_epi32(8));
       for (int j = 0; j < h; j += 16) {
-        const __m512 c = _mm512_loadu_ps(row + j);
-        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(row + h + j), sg);
+        const __m512 c = load(j);
+        const __m512 sv = _mm512_mul_ps(load(h + j), sg);
         const __m512 ns = _mm512_sub_ps(_mm512_setzero_ps(), sv);
         // c0 c0 c1 c1 .. and -s0 s0 -s1 s1 ..
         _mm512_storeu_ps(tab + 2 * j, _mm512_permutexvar_ps(dup_lo, c));
@@ -210,8 +239,8 @@ struct Avx512Head : ScalarTable {
       }
     } else {
       for (int j = 0; j < h; j += 16) {
-        _mm512_storeu_ps(tab + j, _mm512_loadu_ps(row + j));
-        _mm512_storeu_ps(tab + h + j, _mm512_mul_ps(_mm512_loadu_ps(row + h + j), sg));
+        _mm512_storeu_ps(tab + j, load(j));
+        _mm512_storeu_ps(tab + h + j, _mm512_mul_ps(load(h + j), sg));
       }
       if (kBf16) {
         // Blocks of 32 pairs: even pairs, then odd pairs.

@@ -129,25 +129,40 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
         rows[s] = position_in_cache(p, ps) ? cs + ps * p.cs_row_stride : nullptr;
         all_in = all_in && rows[s];
       }
-      if (all_in && !p.mrope_interleaved) {
-        // Contiguous sections: three runs of pairs, cos and sin halves each.
-        CS* m = merged.data();
-        for (int s = 0, j0 = 0; s < 3; j0 += p.mrope_section[s++]) {
-          const CS* row = rows[s];
-          for (int j = j0; j < j0 + p.mrope_section[s]; ++j) {
-            m[j] = row[j];
-            m[h + j] = row[h + j];
+      // Text tokens (three equal positions) take the plain table; a head type
+      // may build the others' from the three rows directly, or else from the
+      // merged row.
+      bool built = all_in && rows[0] == rows[1] && rows[1] == rows[2];
+      if (built) {
+        Head::template build_table<T, CS, Interleaved, A>(rows[0], sign, tab.data(), r);
+      } else if constexpr (requires {
+                             Head::template build_table_mrope<T, CS, Interleaved, A>(
+                                 rows, section.data(), sign, tab.data(), r);
+                           }) {
+        built = all_in && Head::template build_table_mrope<T, CS, Interleaved, A>(
+                              rows, section.data(), sign, tab.data(), r);
+      }
+      if (!built) {
+        if (all_in && !p.mrope_interleaved) {
+          // Contiguous sections: three runs of pairs, cos and sin halves each.
+          CS* m = merged.data();
+          for (int s = 0, j0 = 0; s < 3; j0 += p.mrope_section[s++]) {
+            const CS* row = rows[s];
+            for (int j = j0; j < j0 + p.mrope_section[s]; ++j) {
+              m[j] = row[j];
+              m[h + j] = row[h + j];
+            }
+          }
+        } else {
+          for (int j = 0; j < h; ++j) {
+            const CS* row = rows[section[j]];
+            const CS nan = Store<CS>::from(std::numeric_limits<float>::quiet_NaN());
+            merged[j] = row ? row[j] : nan;
+            merged[h + j] = row ? row[h + j] : nan;
           }
         }
-      } else {
-        for (int j = 0; j < h; ++j) {
-          const CS* row = rows[section[j]];
-          const CS nan = Store<CS>::from(std::numeric_limits<float>::quiet_NaN());
-          merged[j] = row ? row[j] : nan;
-          merged[h + j] = row ? row[h + j] : nan;
-        }
+        Head::template build_table<T, CS, Interleaved, A>(merged.data(), sign, tab.data(), r);
       }
-      Head::template build_table<T, CS, Interleaved, A>(merged.data(), sign, tab.data(), r);
     } else if (const int64_t pos = load_position<Pos>(p, o.pos); !position_in_cache(p, pos)) {
       // Never read outside the cache: the rotated features become NaN.
       std::fill(tab.begin(), tab.end(), std::numeric_limits<A>::quiet_NaN());
