@@ -298,7 +298,6 @@ def test_mrope_equals_plain_rotation_of_the_gathered_rows(isa_switch, isa, dtype
         pos[:, :9] = pos[0, :9]  # text tokens: three equal positions
         for cs_dtype in (torch.float32, dtype):
             cs = make_cos_sin(max_pos, R).to(cs_dtype)
-            kw = dict(mrope_section=sec, mrope_interleaved=mil)
             for inverse in (False, True):
                 qo, ko = q.clone(), k.clone()
                 torch.ops.rope_ext.rotary_qk_(qo, ko, pos, cs, interleaved, inverse, 0, list(sec), mil)
