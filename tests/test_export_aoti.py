@@ -16,21 +16,27 @@ What a user must know (torch 2.14.1, found by these tests):
   dispatcher when the package is loaded: the op library must be loaded *before* ``aoti_load_package``
   (``import rope_ext``, or just ``torch.ops.load_library(<path of rope_ext/_C*.so>)``), else loading raises
   ``RuntimeError: Could not find schema for rope_ext::rotary_qk``. A C++ runtime must likewise load the op
-  library (the ``rope_ext_ops`` CMake target) before creating its ``AOTIModelPackageLoader`` (not tested
-  here).
+  library (the ``rope_ext_ops`` CMake target) before creating its ``AOTIModelPackageLoader``:
+  ``tests/native/aoti_runner.cpp`` dlopens ``librope_ext_ops.so`` and runs the packages with libtorch only,
+  built with the op library by ``tests/native/aoti_runner/CMakeLists.txt``.
 
 Accuracy: the exported program runs the same ATen and rope_ext kernels as eager, in the same order, so its
 outputs are bitwise equal (``torch.equal``). The AOTI package runs the same rope_ext kernel, but Inductor
 generates its own C++ for the projections, GQA copies and attention (e.g. a fused CPU flash-attention
 kernel), whose float32 summation order may differ from ATen's: those outputs are held to 1e-6 of the largest
-eager value (a few float32 ulps; bitwise equality is what was observed on x86-64, not a guarantee).
+eager value (a few float32 ulps; bitwise equality is what was observed on x86-64, not a guarantee). The C++
+runner runs the same compiled model and is held to the same tolerance.
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +51,7 @@ MAX_POSITIONS = 256
 MAX_TOKENS = 128
 EXPORT_TOKENS = 8  # the example input's token count
 RUN_TOKENS = (5, 19)  # the other counts each program is run at
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class AttentionBlock(nn.Module):
@@ -168,21 +175,28 @@ def _eager(module: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple
         return tuple(t.clone() for t in module(x, positions))
 
 
+def _run_inputs(mrope: bool) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    return [(tokens, *_inputs(tokens, mrope, seed=i)) for i, tokens in enumerate(RUN_TOKENS)]
+
+
+def _assert_like_eager(got: tuple, expected: tuple, tokens: int, exact: bool) -> None:
+    assert len(got) == len(expected)
+    for j, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g.shape == e.shape, (tokens, j)
+        err = (g - e).abs().max().item()
+        if exact:
+            assert torch.equal(g, e), f"T={tokens}, output {j}: max error {err:.3g}"
+        else:
+            tol = 1e-6 * e.abs().max().item()
+            assert err <= tol, f"T={tokens}, output {j}: max error {err:.3g} > {tol:.3g}"
+
+
 def _assert_runs_like_eager(run, module: nn.Module, mrope: bool, exact: bool) -> None:
-    for i, tokens in enumerate(RUN_TOKENS):
-        x, positions = _inputs(tokens, mrope, seed=i)
+    for tokens, x, positions in _run_inputs(mrope):
         expected = _eager(module, x, positions)
         with torch.no_grad():
             got = tuple(run(x.clone(), positions.clone()))
-        assert len(got) == len(expected)
-        for j, (g, e) in enumerate(zip(got, expected, strict=True)):
-            assert g.shape == e.shape, (tokens, j)
-            err = (g - e).abs().max().item()
-            if exact:
-                assert torch.equal(g, e), f"T={tokens}, output {j}: max error {err:.3g}"
-            else:
-                tol = 1e-6 * e.abs().max().item()
-                assert err <= tol, f"T={tokens}, output {j}: max error {err:.3g} > {tol:.3g}"
+        _assert_like_eager(got, expected, tokens, exact)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -235,6 +249,13 @@ def inplace_package(tmp_path_factory):
     return block, _aoti_package(block, False, tmp_path_factory.mktemp("aoti") / "block.pt2")
 
 
+@pytest.fixture(scope="module")
+def stack_package(tmp_path_factory):
+    # Every variant except the one packaged above, in one package (one compile).
+    stack = Stack([n for n in VARIANTS if n != "inplace"]).eval()
+    return stack, _aoti_package(stack, True, tmp_path_factory.mktemp("aoti") / "stack.pt2")
+
+
 @pytest.mark.slow
 def test_aoti_inplace_block_matches_eager(inplace_package):
     block, path = inplace_package
@@ -244,10 +265,8 @@ def test_aoti_inplace_block_matches_eager(inplace_package):
 
 
 @pytest.mark.slow
-def test_aoti_stack_of_variants_matches_eager(tmp_path):
-    # Every variant except the one packaged above, in one package (one compile).
-    stack = Stack([n for n in VARIANTS if n != "inplace"]).eval()
-    path = _aoti_package(stack, True, tmp_path / "stack.pt2")
+def test_aoti_stack_of_variants_matches_eager(stack_package):
+    stack, path = stack_package
     compiled = torch._inductor.aoti_load_package(path)
     _assert_runs_like_eager(compiled, stack, True, exact=False)
 
@@ -287,3 +306,69 @@ def test_aoti_package_needs_the_op_library(inplace_package, tmp_path):
 
     assert "LOAD FAILED: Could not find schema for rope_ext::rotary_qk" in run("bare")
     assert "RAN" in run("load_library", rope_ext._C.__file__)
+
+
+@pytest.fixture(scope="session")
+def aoti_runner(tmp_path_factory) -> tuple[Path, Path]:
+    """Builds tests/native/aoti_runner (the runner and the op library, against libtorch) once; returns the
+    paths of the runner and of librope_ext_ops.so."""
+    build = tmp_path_factory.mktemp("aoti_runner")
+    configure = [
+        "cmake",
+        "-S",
+        str(ROOT / "tests" / "native" / "aoti_runner"),
+        "-B",
+        str(build),
+        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+    ]
+    # As test_cmake.py: a CUDA build of libtorch links nvrtc, which pip-installed CUDA keeps beside torch,
+    # and probes the toolkit at configure time (no GPU needed).
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    nvrtc = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so.*"))
+    if torch.version.cuda and nvrtc:
+        configure.append(f"-DCUDA_nvrtc_LIBRARY={os.path.realpath(sorted(nvrtc)[0])}")
+    env = dict(os.environ)
+    if not env.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
+        env["CUDA_HOME"] = "/usr/local/cuda"
+    for cmd in (configure, ["cmake", "--build", str(build), "-j2"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return build / "aoti_runner", build / "rope_ext" / "librope_ext_ops.so"
+
+
+def _run_cpp(runner: Path, package: str, op_library: str, *files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(runner), package, op_library, *map(str, files)], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+@pytest.mark.parametrize("package", ["inplace_package", "stack_package"])
+def test_aoti_package_runs_from_cpp(package, request, aoti_runner, tmp_path):
+    """The packages of apply_rotary_qk_ (inplace) and of every variant, apply_rotary_qk included (stack), run
+    from C++ (libtorch, the op library dlopened, AOTIModelPackageLoader; no Python) at two token counts, in
+    one loaded model, like eager."""
+    module, path = request.getfixturevalue(package)
+    runs = _run_inputs(mrope=package == "stack_package")
+    files = []
+    for i, (_, x, positions) in enumerate(runs):
+        torch.save((x, positions), tmp_path / f"in{i}.pt")
+        files += [tmp_path / f"in{i}.pt", tmp_path / f"out{i}.pt"]
+    runner, op_library = aoti_runner
+    done = _run_cpp(runner, path, str(op_library), *files)
+    assert done.returncode == 0, done.stderr
+    for i, (tokens, x, positions) in enumerate(runs):
+        got = torch.load(tmp_path / f"out{i}.pt", weights_only=True)
+        _assert_like_eager(tuple(got), _eager(module, x, positions), tokens, exact=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+def test_aoti_cpp_runner_needs_the_op_library(inplace_package, aoti_runner, tmp_path):
+    """Without the dlopen of the op library, AOTIModelPackageLoader fails as aoti_load_package does."""
+    x, positions = _inputs(RUN_TOKENS[0], False, seed=0)
+    torch.save((x, positions), tmp_path / "in.pt")
+    done = _run_cpp(aoti_runner[0], inplace_package[1], "none", tmp_path / "in.pt", tmp_path / "out.pt")
+    assert done.returncode == 1
+    assert "Could not find schema for rope_ext::rotary_qk" in done.stderr

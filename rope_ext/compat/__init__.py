@@ -4,8 +4,10 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
 
 * :mod:`.hf` - :func:`apply_rotary_pos_emb`, transformers' function (``q * cos + rotate_half(q) * sin``),
   same arguments, broadcasting, output dtypes and gradients, computed by rope_ext's op;
-  :func:`patch_transformers` / :func:`unpatch_transformers` route a loaded Llama, Mistral or Qwen2
-  model's RoPE through rope_ext (via :class:`HFRotaryAdapter`; :data:`SUPPORTED_MODEL_TYPES`).
+  :func:`patch_transformers` / :func:`unpatch_transformers` route a loaded model's RoPE through rope_ext
+  (via :class:`HFRotaryAdapter`) once probes show rope_ext computes what its modules and functions do;
+  :data:`SUPPORTED_MODEL_TYPES` are the tested model types, :func:`supported_model_types` those the
+  installed transformers passes.
 * :mod:`.vllm` - :func:`rotary_embedding`, vLLM's in-place ``rotary_embedding(positions, query, key,
   head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors.
 * :mod:`.labml` - :class:`RotaryPositionalEmbeddings`, seq-first ``[seq, batch, heads, features]`` module
@@ -24,6 +26,7 @@ from .hf import (
     HFRotaryAdapter,
     apply_rotary_pos_emb,
     patch_transformers,
+    supported_model_types,
     unpatch_transformers,
 )
 from .labml import RotaryPositionalEmbeddings
@@ -37,6 +40,7 @@ __all__ = [
     "unpatch_transformers",
     "HFRotaryAdapter",
     "SUPPORTED_MODEL_TYPES",
+    "supported_model_types",
     "rotary_embedding",
     "RotaryPositionalEmbeddings",
     "apply_rotary_emb",
