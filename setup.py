@@ -1,11 +1,20 @@
-"""Build of the rope_ext op library (CPU, plus CUDA when torch and nvcc have it).
+"""Build of the rope_ext op libraries, on the LibTorch stable ABI (one build serves several torch releases).
+
+Extensions (Python modules that expose no functions; importing one registers its ops):
+  rope_ext._C          the schemas and the CPU kernels (no CUDA dependency)
+  rope_ext._C_cuda     the CUDA kernels, when torch and nvcc have CUDA; rope_ext loads it only under a
+                       torch with CUDA
+  rope_ext._C_testing  test-only ops (ROPE_EXT_TESTING=1): _cuda_emulated, the CUDA kernel body run on
+                       the CPU; `make test` and CI build it, a wheel built the ordinary way does not
 
 Environment:
   ROPE_EXT_CPU_ONLY=1       build without the CUDA kernels even when nvcc is found
-  ROPE_EXT_TESTING=1        add the test-only ops (_cuda_emulated: the CUDA kernel body run on the CPU);
-                            `make test` and CI build this way, a wheel built the ordinary way does not
+  ROPE_EXT_TESTING=1        add rope_ext._C_testing
   TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else "8.0;9.0+PTX"
   CUDA_HOME                 CUDA toolkit; default /usr/local/cuda when it exists
+
+Wheel: `pip wheel --no-build-isolation .` (or `python -m build --wheel --no-isolation`) gives a
+cp310-abi3 wheel.
 """
 
 import glob
@@ -22,6 +31,10 @@ if not os.environ.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
+# The oldest torch whose stable ABI has everything the bindings use (torch::stable::parallel_for,
+# get_num_threads, empty, std::string arguments): 2.10. Headers hide what is newer.
+TORCH_TARGET_VERSION = "0x020A000000000000"
+
 
 def want_cuda() -> bool:
     if os.environ.get("ROPE_EXT_CPU_ONLY") == "1" or torch.version.cuda is None:
@@ -30,43 +43,63 @@ def want_cuda() -> bool:
     return bool(home) and (os.path.exists(os.path.join(home, "bin", "nvcc")) or shutil.which("nvcc"))
 
 
-def extension():
-    # -fopenmp: at::parallel_for is inline OpenMP code from the ATen headers; without the flag it
-    # compiles to a serial loop. libgomp.so.1 resolves to the one torch has already loaded.
-    # -ffp-contract=off: the host compiler never fuses a * b + c on its own (the AVX2 kernel's FMAs
+def extensions():
+    # -ffp-contract=off: the host compiler never fuses a * b + c on its own (the vector kernels' FMAs
     # are explicit intrinsics), so results do not depend on compiler defaults. On the GPU,
-    # --fmad=true is the documented choice of the CUDA kernel.
-    cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
-    link = ["-fopenmp"]
-    testing = os.environ.get("ROPE_EXT_TESTING") == "1"
-    sources = [
-        f
-        for f in sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/rope/*.cpp"))
-        if testing or os.path.basename(f) != "cuda_emulated.cpp"
+    # --fmad=true is the documented choice of the CUDA kernel. -fvisibility=hidden: the libraries
+    # share the binding code and must not resolve each other's copies.
+    cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fvisibility=hidden"]
+    macros = [("ROPE_EXT_PYTHON_MODULE", None), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
+    common = dict(define_macros=macros, py_limited_api=True)
+    exts = [
+        cpp_extension.CppExtension(
+            "rope_ext._C",
+            ["csrc/ops/binding.cpp", "csrc/ops/ops_cpu.cpp", "csrc/ops/registration.cpp"]
+            + sorted(glob.glob("csrc/rope/*.cpp")),
+            extra_compile_args={"cxx": cxx},
+            **common,
+        )
     ]
-    macros = [("ROPE_EXT_PYTHON_MODULE", None)] + ([("ROPE_EXT_TESTING", "1")] if testing else [])
+    if os.environ.get("ROPE_EXT_TESTING") == "1":
+        exts.append(
+            cpp_extension.CppExtension(
+                "rope_ext._C_testing",
+                ["csrc/ops/binding.cpp", "csrc/ops/cuda_emulated.cpp"],
+                extra_compile_args={"cxx": cxx},
+                **common,
+            )
+        )
     if want_cuda():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
         nvcc = ["-O3", "-std=c++20", "--fmad=true", "-lineinfo", "-Xcompiler", "-ffp-contract=off"]
-        return cpp_extension.CUDAExtension(
-            "rope_ext._C",
-            sources + sorted(glob.glob("csrc/rope/*.cu")) + sorted(glob.glob("csrc/ops/*.cu")),
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            define_macros=macros + [("ROPE_EXT_WITH_CUDA", "1")],
-            extra_link_args=link,
-            py_limited_api=False,
+        nvcc += ["-Xcompiler", "-fvisibility=hidden"]
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "rope_ext._C_cuda",
+                ["csrc/ops/binding.cpp", "csrc/ops/ops_cuda.cu"] + sorted(glob.glob("csrc/rope/*.cu")),
+                extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                define_macros=macros + [("USE_CUDA", None)],
+                py_limited_api=True,
+            )
         )
-    return cpp_extension.CppExtension(
-        "rope_ext._C",
-        sources,
-        extra_compile_args={"cxx": cxx},
-        define_macros=macros,
-        extra_link_args=link,
-    )
+    return exts
+
+
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """One build folder per extension: they share sources (binding.cpp) compiled with different flags."""
+
+    def build_extension(self, ext):
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
 
 
 setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -8,13 +8,42 @@ Arithmetic is float32 (float64 for float64 inputs); outputs have x's dtype.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (registers torch.ops.rope_ext.*)
+from . import _C  # noqa: F401  (registers torch.ops.rope_ext.*: the schemas and the CPU kernels)
+
+
+def _load_cuda_kernels() -> str | None:
+    """Import ``rope_ext._C_cuda`` (it registers the CUDA kernels) when this torch has CUDA.
+
+    Returns the library's path, or None: a torch without CUDA never loads it (the library needs
+    libtorch_cuda), and a build without it (no nvcc) has none. A library that cannot load under this
+    torch (say, built for another CUDA major version) leaves the CPU kernels working and says why.
+    """
+    if torch.version.cuda is None or importlib.util.find_spec("rope_ext._C_cuda") is None:
+        return None
+    try:
+        return importlib.import_module("rope_ext._C_cuda").__file__
+    except ImportError as e:
+        warnings.warn(f"rope_ext: the CUDA kernels did not load, CPU only: {e}", stacklevel=2)
+        return None
+
+
+_CUDA_LIBRARY = _load_cuda_kernels()
+
+
+def _built_with_cuda() -> bool:
+    """Whether the CUDA kernels are registered (this build has them and this torch has CUDA)."""
+    return _CUDA_LIBRARY is not None
+
 
 __all__ = ["apply_rotary", "apply_rotary_qk", "apply_rotary_qk_", "set_position_checks"]
 
@@ -66,6 +95,37 @@ def set_position_checks(enabled: bool) -> None:
     _check_positions_on_device = bool(enabled)
 
 
+# Messages of the C++ checks that reject a type or dtype (csrc/ops/binding.h, TypeError). The stable ABI
+# carries standard exceptions only, so the bare ops raise them as ValueError; the API raises TypeError.
+_TYPE_ERRORS = (
+    " must be a tensor, got None",
+    " must be a floating tensor",
+    " must have the dtype of ",
+    " must be float32 or the dtype of ",
+    " must be an int32 or int64 tensor",
+)
+
+
+def _retyped(e: ValueError) -> Exception:
+    msg = str(e)
+    return TypeError(msg) if any(p in msg for p in _TYPE_ERRORS) else e
+
+
+def _typed_errors(fn):
+    """``fn`` raising TypeError for the ops' type errors (eager; traced calls raise from the fake kernels)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            raise _retyped(e) from None
+
+    return wrapper
+
+
 def _require_tensor(name: str, value, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -107,6 +167,7 @@ def _pre_check(positions: Tensor, cos_sin: Tensor) -> None:
             )
 
 
+@_typed_errors
 def apply_rotary(
     x: Tensor,
     positions: Tensor,
@@ -147,6 +208,7 @@ def apply_rotary(
     )
 
 
+@_typed_errors
 def apply_rotary_qk(
     q: Tensor,
     k: Tensor,
@@ -205,16 +267,37 @@ def apply_rotary_qk_(
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else. Each
         # argument passed costs dispatcher time (~0.1 us): the defaults are left to the schema.
-        if not rotary_offset and mrope_section is None and not mrope_interleaved:
-            if interleaved:
-                _rotary_qk_inplace(q, k, positions, cos_sin, interleaved)
+        try:
+            if not rotary_offset and mrope_section is None and not mrope_interleaved:
+                if interleaved:
+                    _rotary_qk_inplace(q, k, positions, cos_sin, interleaved)
+                else:
+                    _rotary_qk_inplace(q, k, positions, cos_sin)
             else:
-                _rotary_qk_inplace(q, k, positions, cos_sin)
-        else:
-            _rotary_qk_inplace(
-                q, k, positions, cos_sin, interleaved, False, rotary_offset, mrope_section, mrope_interleaved
-            )
+                _rotary_qk_inplace(
+                    q,
+                    k,
+                    positions,
+                    cos_sin,
+                    interleaved,
+                    False,
+                    rotary_offset,
+                    mrope_section,
+                    mrope_interleaved,
+                )
+        except ValueError as e:
+            raise _retyped(e) from None
         return
+    _rotary_qk_inplace_checked(
+        q, k, positions, cos_sin, interleaved, rotary_offset, mrope_section, mrope_interleaved
+    )
+
+
+@_typed_errors
+def _rotary_qk_inplace_checked(
+    q, k, positions, cos_sin, interleaved, rotary_offset, mrope_section, mrope_interleaved
+) -> None:
+    """``apply_rotary_qk_`` past the eager fast path: every check, autograd and ``torch.compile``."""
     _require_tensor("q", q)
     _require_tensor("k", k, optional=True)
     _require_tensor("positions", positions)

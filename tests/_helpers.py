@@ -6,16 +6,21 @@ and ``_strategies``); conftest.py only holds pytest fixtures, hooks and the hypo
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 import rope_ext
 
+# The CUDA kernel body run on the CPU (``torch.ops.rope_ext._cuda_emulated``) is a test-only op in its own
+# library, rope_ext._C_testing, built only with ROPE_EXT_TESTING=1 (what ``make test`` and CI build).
+if importlib.util.find_spec("rope_ext._C_testing") is not None:
+    import rope_ext._C_testing  # noqa: F401  (registers torch.ops.rope_ext._cuda_emulated)
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 HAS_CUDA = torch.cuda.is_available()
 
-# The CUDA kernel body run on the CPU (``torch.ops.rope_ext._cuda_emulated``) is a test-only op: it is
-# registered only in builds made with ROPE_EXT_TESTING=1 (what ``make test`` and CI build).
 HAS_EMULATION = hasattr(torch.ops.rope_ext, "_cuda_emulated")
 NO_EMULATION = "built without ROPE_EXT_TESTING=1: no _cuda_emulated op"
 requires_emulation = pytest.mark.skipif(not HAS_EMULATION, reason=NO_EMULATION)

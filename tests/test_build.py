@@ -1,4 +1,4 @@
-"""The build: CUDA kernels present whenever nvcc was available, CPU kernel vectorized."""
+"""The build: CUDA kernels (their own library, rope_ext._C_cuda) present whenever nvcc was available."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import shutil
 
 import torch
 
-import rope_ext  # noqa: F401
+import rope_ext
+from rope_ext.ops import _built_with_cuda
 
 OPS = ["rotary", "rotary_qk", "rotary_qk_"]
 
@@ -20,7 +21,7 @@ def _nvcc_available() -> bool:
 
 
 def test_cuda_kernels_registered_when_nvcc_found():
-    built = torch.ops.rope_ext._built_with_cuda()
+    built = _built_with_cuda()
     if _nvcc_available() and os.environ.get("ROPE_EXT_CPU_ONLY") != "1":
         assert built, "nvcc is available but the extension was built without its CUDA kernels"
     for op in OPS:
@@ -47,13 +48,13 @@ def test_cuda_vector_path_uses_128_bit_accesses():
     import re
     import subprocess
 
-    if not torch.ops.rope_ext._built_with_cuda():
+    if not _built_with_cuda():
         import pytest
 
         pytest.skip("built without CUDA")
     tool = _cuobjdump()
     assert tool is not None, "no cuobjdump to inspect the CUDA build"
-    so = rope_ext._C.__file__
+    so = rope_ext.ops._CUDA_LIBRARY
     sass = subprocess.run([tool, "-sass", so], capture_output=True, text=True, check=True).stdout
     kernels = re.split(r"\n\s*Function : ", sass)[1:]
     vec = [k for k in kernels if re.search(r"rotary_kernel\w*Lb[01]ELb1E", k.split("\n", 1)[0])]
@@ -62,3 +63,12 @@ def test_cuda_vector_path_uses_128_bit_accesses():
         name = k.split("\n", 1)[0]
         assert re.search(r"LDG\.E\.128", k) and re.search(r"STG\.E\.128", k), name
         assert not re.search(r"STG\.E(\.U16)?\s", k), f"{name}: narrow stores in the vector path"
+
+
+def test_cpu_library_does_not_need_cuda():
+    """rope_ext._C (schemas and CPU kernels) links no CUDA library, so it loads under a CPU-only torch."""
+    import subprocess
+
+    out = subprocess.run(["readelf", "-d", rope_ext._C.__file__], capture_output=True, text=True, check=True)
+    needed = [line for line in out.stdout.splitlines() if "NEEDED" in line]
+    assert needed and not [n for n in needed if "cuda" in n.lower()], needed

@@ -1,19 +1,21 @@
 #include "binding.h"
 
-#include <c10/util/Exception.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
 #include <array>
-#include <sstream>
 #include <utility>
 #include <vector>
 
 #include "../rope/rope.h"
 
 namespace rope_ext {
-namespace {
 
-std::string shape_str(at::IntArrayRef s) {
+using torch::headeronly::ScalarType;
+using ValueError = std::invalid_argument;
+
+std::string shape_str(const std::vector<int64_t>& s) {
   std::ostringstream os;
   os << "[";
   for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
@@ -21,58 +23,94 @@ std::string shape_str(at::IntArrayRef s) {
   return os.str();
 }
 
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+std::vector<int64_t> sizes_of(const Tensor& t) {
+  const auto s = t.sizes();
+  return {s.begin(), s.end()};
 }
 
-rope::DType to_dtype(at::ScalarType t) {
+std::vector<int64_t> strides_of(const Tensor& t) {
+  const auto s = t.strides();
+  return {s.begin(), s.end()};
+}
+
+namespace {
+
+bool is_supported_float(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half ||
+         t == ScalarType::BFloat16;
+}
+
+rope::DType to_dtype(ScalarType t) {
   switch (t) {
-    case at::kFloat:
+    case ScalarType::Float:
       return rope::DType::kFloat32;
-    case at::kDouble:
+    case ScalarType::Double:
       return rope::DType::kFloat64;
-    case at::kHalf:
+    case ScalarType::Half:
       return rope::DType::kFloat16;
     default:
       return rope::DType::kBFloat16;
   }
 }
 
-void check_input(const at::Tensor& x, const char* name) {
-  TORCH_CHECK_TYPE(x.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()), name,
-                   " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
-                   x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() >= 1, name,
-                    " must have at least one dim [..., head_dim], got a scalar");
-  TORCH_CHECK_VALUE(x.size(-1) <= rope::kMaxHeadDim, name, ".shape[-1] (head_dim) must be at most ",
-                    rope::kMaxHeadDim, ", got ", x.size(-1));
-  TORCH_CHECK_VALUE(x.size(-1) <= 1 || x.stride(-1) == 1, name,
-                    " must have a contiguous last dim (stride 1), got strides ",
-                    shape_str(x.strides()));
+std::string device_str(const Tensor& t) {
+  if (t.is_cpu()) return "cpu";
+  return str(t.is_cuda() ? "cuda:" : "device ", int(t.get_device_index()));
+}
+
+// A tensor's layout, read once (every query is a call into libtorch).
+struct Layout {
+  std::vector<int64_t> size, stride;
+  int64_t element_size;
+  int64_t data;  // address of the first element
+  explicit Layout(const Tensor& t)
+      : size(sizes_of(t)),
+        stride(strides_of(t)),
+        element_size(int64_t(t.element_size())),
+        data(reinterpret_cast<int64_t>(t.data_ptr())) {}
+  int64_t dim() const { return int64_t(size.size()); }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t s : size) n *= s;
+    return n;
+  }
+};
+
+void check_input(const Tensor& x, const char* name) {
+  ROPE_CHECK(TypeError, x.defined(), name, " must be a tensor, got None");
+  ROPE_CHECK(TypeError, is_supported_float(x.scalar_type()), name,
+             " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
+             x.scalar_type());
+  const int64_t dim = x.dim();
+  ROPE_CHECK(ValueError, dim >= 1, name,
+             " must have at least one dim [..., head_dim], got a scalar");
+  const int64_t d = x.size(dim - 1);
+  ROPE_CHECK(ValueError, d <= rope::kMaxHeadDim, name, ".shape[-1] (head_dim) must be at most ",
+             rope::kMaxHeadDim, ", got ", d);
+  ROPE_CHECK(ValueError, d <= 1 || x.stride(dim - 1) == 1, name,
+             " must have a contiguous last dim (stride 1), got strides ", shape_str(strides_of(x)));
 }
 
 // Byte extent [lo, hi) of the elements of t.
-std::pair<int64_t, int64_t> extent(const at::Tensor& t) {
+std::pair<int64_t, int64_t> extent(const Layout& t) {
   int64_t lo = 0, hi = 0;
   for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t span = (t.size(d) - 1) * t.stride(d);
+    const int64_t span = (t.size[d] - 1) * t.stride[d];
     (span < 0 ? lo : hi) += span;
   }
-  const int64_t base = reinterpret_cast<int64_t>(t.data_ptr());
-  const int64_t es = t.element_size();
-  return {base + lo * es, base + (hi + 1) * es};
+  const int64_t es = t.element_size;
+  return {t.data + lo * es, t.data + (hi + 1) * es};
 }
 
 // Dims of t as (size, byte stride), size-1 dims dropped, innermost last, with
 // contiguous neighbours merged. Returns the byte length of the innermost run.
-int64_t runs_of(const at::Tensor& t, std::vector<std::pair<int64_t, int64_t>>& outer) {
+int64_t runs_of(const Layout& t, std::vector<std::pair<int64_t, int64_t>>& outer) {
   std::vector<std::pair<int64_t, int64_t>> dims;
   for (int64_t d = 0; d < t.dim(); ++d)
-    if (t.size(d) != 1) dims.emplace_back(t.size(d), t.stride(d) * t.element_size());
+    if (t.size[d] != 1) dims.emplace_back(t.size[d], t.stride[d] * t.element_size);
   std::sort(dims.begin(), dims.end(),
             [](auto& a, auto& b) { return std::abs(a.second) > std::abs(b.second); });
-  int64_t run = t.element_size();
+  int64_t run = t.element_size;
   while (!dims.empty() && dims.back().second == run) {
     run *= dims.back().first;
     dims.pop_back();
@@ -82,9 +120,9 @@ int64_t runs_of(const at::Tensor& t, std::vector<std::pair<int64_t, int64_t>>& o
 }
 
 // Byte offsets (from `base`) of every run start.
-std::vector<int64_t> run_starts(const at::Tensor& t, int64_t base,
+std::vector<int64_t> run_starts(const Layout& t, int64_t base,
                                 const std::vector<std::pair<int64_t, int64_t>>& outer) {
-  std::vector<int64_t> starts{reinterpret_cast<int64_t>(t.data_ptr()) - base};
+  std::vector<int64_t> starts{t.data - base};
   for (auto [size, stride] : outer) {
     std::vector<int64_t> next;
     next.reserve(starts.size() * size);
@@ -100,13 +138,13 @@ std::vector<int64_t> run_starts(const at::Tensor& t, int64_t base,
 // everything the smaller ones reach) cannot overlap; strides that interleave
 // (sizes [2, 3], strides [3, 2]) are decided exactly by listing the contiguous
 // runs, or reported as overlapping when there are too many runs to list.
-bool self_overlaps(const at::Tensor& t) {
+bool self_overlaps(const Layout& t) {
   if (t.numel() <= 1) return false;
   std::vector<std::pair<int64_t, int64_t>> dims;
   for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) <= 1) continue;
-    if (t.stride(d) == 0) return true;
-    dims.emplace_back(t.size(d), std::abs(t.stride(d)));
+    if (t.size[d] <= 1) continue;
+    if (t.stride[d] == 0) return true;
+    dims.emplace_back(t.size[d], std::abs(t.stride[d]));
   }
   std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second < b.second; });
   int64_t reach = 1;
@@ -125,22 +163,22 @@ bool self_overlaps(const at::Tensor& t) {
   int64_t n_runs = 1;
   for (auto [size, stride] : outer)
     if ((n_runs *= size) > kMaxRuns) return true;
-  const auto starts = run_starts(t, reinterpret_cast<int64_t>(t.data_ptr()), outer);
+  const auto starts = run_starts(t, t.data, outer);
   for (size_t i = 1; i < starts.size(); ++i)
     if (starts[i] - starts[i - 1] < run) return true;
   return false;
 }
 
-bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+// Whether a and b share an element. Tensors of different storages never do
+// (their byte extents are disjoint), so only addresses are compared.
+bool overlaps(const Layout& a, const Layout& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
   const auto [alo, ahi] = extent(a);
   const auto [blo, bhi] = extent(b);
   if (ahi <= blo || bhi <= alo) return false;
   std::vector<std::pair<int64_t, int64_t>> oa, ob;
   const int64_t la = runs_of(a, oa), lb = runs_of(b, ob);
-  const int64_t pa = reinterpret_cast<int64_t>(a.data_ptr());
-  const int64_t pb = reinterpret_cast<int64_t>(b.data_ptr());
+  const int64_t pa = a.data, pb = b.data;
   if (oa.size() == 1 && ob.size() == 1 && oa[0] == ob[0] && oa[0].second > 0) {
     // Same single outer dim (q and k sliced from one packed tensor): runs
     // [pa + i S, +la) and [pb + j S, +lb) meet iff some m = j - i in
@@ -195,8 +233,8 @@ std::vector<Dim> coalesce(const std::vector<Dim>& dims, int n_strides) {
 }
 
 void fill_heads(rope::RotTensor& t, const std::vector<Dim>& dims) {
-  TORCH_CHECK_VALUE(dims.size() <= size_t(rope::kMaxDims),
-                    "too many batch dims that cannot be merged (at most ", rope::kMaxDims, ")");
+  ROPE_CHECK(ValueError, dims.size() <= size_t(rope::kMaxDims),
+             "too many batch dims that cannot be merged (at most ", rope::kMaxDims, ")");
   t.n_head_dims = int(dims.size());
   t.n_heads = 1;
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -209,112 +247,120 @@ void fill_heads(rope::RotTensor& t, const std::vector<Dim>& dims) {
 
 }  // namespace
 
-void check_writable(const at::Tensor& q, const at::Tensor* k) {
-  TORCH_CHECK_VALUE(!self_overlaps(q),
-                    "q has elements that overlap in memory (expanded or stride-0 view, strides ",
-                    shape_str(q.strides()), "); an in-place rotation needs a writable tensor");
+void check_writable(const Tensor& q, const Tensor* k) {
+  const Layout ql(q);
+  ROPE_CHECK(ValueError, !self_overlaps(ql),
+             "q has elements that overlap in memory (expanded or stride-0 view, strides ",
+             shape_str(ql.stride), "); an in-place rotation needs a writable tensor");
   if (!k) return;
-  TORCH_CHECK_VALUE(!self_overlaps(*k),
-                    "k has elements that overlap in memory (expanded or stride-0 view, strides ",
-                    shape_str(k->strides()), "); an in-place rotation needs a writable tensor");
-  TORCH_CHECK_VALUE(!overlaps(q, *k),
-                    "q and k overlap in memory; an in-place rotation needs separate tensors");
+  const Layout kl(*k);
+  ROPE_CHECK(ValueError, !self_overlaps(kl),
+             "k has elements that overlap in memory (expanded or stride-0 view, strides ",
+             shape_str(kl.stride), "); an in-place rotation needs a writable tensor");
+  ROPE_CHECK(ValueError, !overlaps(ql, kl),
+             "q and k overlap in memory; an in-place rotation needs separate tensors");
 }
 
-rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
-                             const at::Tensor* k_in, const at::Tensor* k_out,
-                             const at::Tensor& positions, const at::Tensor& cos_sin,
+rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tensor* k_in,
+                             const Tensor* k_out, const Tensor& positions, const Tensor& cos_sin,
                              bool interleaved, bool inverse, int64_t rotary_offset,
-                             at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
+                             const Sections& mrope_section, bool mrope_interleaved,
                              const char* q_name) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
+  const ScalarType dtype = q_in.scalar_type();
+  const Layout qi(q_in);
+  const Layout qo = &q_out == &q_in ? qi : Layout(q_out);
+  const int64_t head_dim = qi.size.back();
+  std::optional<Layout> ki, ko;
   if (k_in) {
     check_input(*k_in, "k");
-    TORCH_CHECK_TYPE(k_in->scalar_type() == q_in.scalar_type(), "k must have the dtype of q (",
-                     q_in.scalar_type(), "), got ", k_in->scalar_type());
-    TORCH_CHECK_VALUE(k_in->device() == q_in.device(), "k must be on the device of q (",
-                      q_in.device(), "), got ", k_in->device());
-    TORCH_CHECK_VALUE(k_in->dim() == q_in.dim(), "k must have the rank of q (", q_in.dim(),
-                      "), got shape ", shape_str(k_in->sizes()));
-    TORCH_CHECK_VALUE(k_in->size(-1) == q_in.size(-1), "k must have the head_dim of q (",
-                      q_in.size(-1), "), got ", k_in->size(-1));
+    ROPE_CHECK(TypeError, k_in->scalar_type() == dtype, "k must have the dtype of q (", dtype,
+               "), got ", k_in->scalar_type());
+    ROPE_CHECK(ValueError, k_in->device() == q_in.device(), "k must be on the device of q (",
+               device_str(q_in), "), got ", device_str(*k_in));
+    ki.emplace(*k_in);
+    ko = k_out == k_in ? ki : std::optional<Layout>(Layout(*k_out));
+    ROPE_CHECK(ValueError, ki->dim() == qi.dim(), "k must have the rank of q (", qi.dim(),
+               "), got shape ", shape_str(ki->size));
+    ROPE_CHECK(ValueError, ki->size.back() == head_dim, "k must have the head_dim of q (", head_dim,
+               "), got ", ki->size.back());
   }
 
-  TORCH_CHECK_TYPE(cos_sin.defined(), "cos_sin must be a tensor, got None");
-  TORCH_CHECK_VALUE(cos_sin.dim() == 2,
-                    "cos_sin must have shape [positions, rotary_dim], got shape ",
-                    shape_str(cos_sin.sizes()));
-  TORCH_CHECK_TYPE(
-      cos_sin.scalar_type() == at::kFloat || cos_sin.scalar_type() == q_in.scalar_type(),
-      "cos_sin must be float32 or the dtype of ", xname, " (", q_in.scalar_type(), "), got ",
-      cos_sin.scalar_type());
-  TORCH_CHECK_VALUE(cos_sin.device() == q_in.device(), "cos_sin must be on the device of ", xname,
-                    " (", q_in.device(), "), got ", cos_sin.device());
-  const int64_t rotary_dim = cos_sin.size(1);
-  const int64_t head_dim = q_in.size(-1);
-  TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0,
-                    "rotary_dim (cos_sin.shape[-1]) must be even and positive, got ", rotary_dim);
-  TORCH_CHECK_VALUE(rotary_dim <= head_dim, "rotary_dim (cos_sin.shape[-1] = ", rotary_dim,
-                    ") must be <= head_dim (", xname, ".shape[-1] = ", head_dim, ")");
-  TORCH_CHECK_VALUE(rotary_offset >= 0 && rotary_offset <= head_dim - rotary_dim,
-                    "rotary_offset must be in [0, head_dim - rotary_dim] = [0, ",
-                    head_dim - rotary_dim, "] (", xname, ".shape[-1] = ", head_dim,
-                    ", rotary_dim = cos_sin.shape[-1] = ", rotary_dim, "), got ", rotary_offset);
-  TORCH_CHECK_VALUE(cos_sin.stride(1) == 1, "cos_sin must have a contiguous last dim, got strides ",
-                    shape_str(cos_sin.strides()));
+  ROPE_CHECK(TypeError, cos_sin.defined(), "cos_sin must be a tensor, got None");
+  const std::vector<int64_t> cs_size = sizes_of(cos_sin), cs_stride = strides_of(cos_sin);
+  ROPE_CHECK(ValueError, cs_size.size() == 2,
+             "cos_sin must have shape [positions, rotary_dim], got shape ", shape_str(cs_size));
+  const ScalarType cs_dtype = cos_sin.scalar_type();
+  ROPE_CHECK(TypeError, cs_dtype == ScalarType::Float || cs_dtype == dtype,
+             "cos_sin must be float32 or the dtype of ", xname, " (", dtype, "), got ", cs_dtype);
+  ROPE_CHECK(ValueError, cos_sin.device() == q_in.device(), "cos_sin must be on the device of ",
+             xname, " (", device_str(q_in), "), got ", device_str(cos_sin));
+  const int64_t rotary_dim = cs_size[1];
+  ROPE_CHECK(ValueError, rotary_dim > 0 && rotary_dim % 2 == 0,
+             "rotary_dim (cos_sin.shape[-1]) must be even and positive, got ", rotary_dim);
+  ROPE_CHECK(ValueError, rotary_dim <= head_dim, "rotary_dim (cos_sin.shape[-1] = ", rotary_dim,
+             ") must be <= head_dim (", xname, ".shape[-1] = ", head_dim, ")");
+  ROPE_CHECK(ValueError, rotary_offset >= 0 && rotary_offset <= head_dim - rotary_dim,
+             "rotary_offset must be in [0, head_dim - rotary_dim] = [0, ", head_dim - rotary_dim,
+             "] (", xname, ".shape[-1] = ", head_dim,
+             ", rotary_dim = cos_sin.shape[-1] = ", rotary_dim, "), got ", rotary_offset);
+  ROPE_CHECK(ValueError, cs_stride[1] == 1, "cos_sin must have a contiguous last dim, got strides ",
+             shape_str(cs_stride));
 
-  TORCH_CHECK_TYPE(positions.defined(), "positions must be a tensor, got None");
-  TORCH_CHECK_TYPE(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong,
-                   "positions must be an int32 or int64 tensor, got ", positions.scalar_type());
-  TORCH_CHECK_VALUE(positions.device() == q_in.device(), "positions must be on the device of ",
-                    xname, " (", q_in.device(), "), got ", positions.device());
+  ROPE_CHECK(TypeError, positions.defined(), "positions must be a tensor, got None");
+  const ScalarType pos_dtype = positions.scalar_type();
+  ROPE_CHECK(TypeError, pos_dtype == ScalarType::Int || pos_dtype == ScalarType::Long,
+             "positions must be an int32 or int64 tensor, got ", pos_dtype);
+  ROPE_CHECK(ValueError, positions.device() == q_in.device(), "positions must be on the device of ",
+             xname, " (", device_str(q_in), "), got ", device_str(positions));
 
-  // MRoPE: positions [3, ...]; the broadcast below is of positions[0] (sizes
-  // and strides without the leading dim, same data pointer), and sections 1
-  // and 2 sit at the same offsets plus a multiple of stride(0).
+  // MRoPE: positions [3, ...]; the broadcast below is of positions[0] (its
+  // sizes and strides, same data pointer), and sections 1 and 2 sit at the
+  // same offsets plus a multiple of stride(0).
   const bool mrope = mrope_section.has_value();
-  TORCH_CHECK_VALUE(mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
+  ROPE_CHECK(ValueError, mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
   int mrope_sec[3] = {0, 0, 0};
   int64_t section_stride = 0;
-  at::IntArrayRef pos_sizes = positions.sizes(), pos_strides = positions.strides();
+  std::vector<int64_t> pos_sizes = sizes_of(positions), pos_strides = strides_of(positions);
   if (mrope) {
-    const auto sec = *mrope_section;
+    const auto& sec = *mrope_section;
     const bool ok = sec.size() == 3 && sec[0] >= 0 && sec[1] >= 0 && sec[2] >= 0 &&
                     sec[0] + sec[1] + sec[2] == rotary_dim / 2;
-    TORCH_CHECK_VALUE(ok,
-                      "mrope_section must be 3 non-negative ints (temporal, height, width) summing "
-                      "to rotary_dim / 2 = ",
-                      rotary_dim / 2, ", got ", shape_str(sec));
-    TORCH_CHECK_VALUE(positions.dim() >= 1 && positions.size(0) == 3,
-                      "positions must have a leading section dim of size 3 ([3, ...]) with "
-                      "mrope_section, got shape ",
-                      shape_str(positions.sizes()));
+    ROPE_CHECK(ValueError, ok,
+               "mrope_section must be 3 non-negative ints (temporal, height, width) summing "
+               "to rotary_dim / 2 = ",
+               rotary_dim / 2, ", got ", shape_str(sec));
+    ROPE_CHECK(ValueError, !pos_sizes.empty() && pos_sizes[0] == 3,
+               "positions must have a leading section dim of size 3 ([3, ...]) with "
+               "mrope_section, got shape ",
+               shape_str(pos_sizes));
     for (int s = 0; s < 3; ++s) mrope_sec[s] = int(sec[s]);
-    section_stride = positions.stride(0);
-    pos_sizes = pos_sizes.slice(1);
-    pos_strides = pos_strides.slice(1);
+    section_stride = pos_strides[0];
+    pos_sizes.erase(pos_sizes.begin());
+    pos_strides.erase(pos_strides.begin());
   }
 
-  const int64_t n = q_in.dim() - 1;
-  const at::IntArrayRef qb = q_in.sizes().slice(0, n);
-  const at::IntArrayRef kb = k_in ? k_in->sizes().slice(0, n) : qb;
-  auto not_broadcastable = [&](const char* target, at::IntArrayRef shape) {
-    return c10::str("positions of shape ", shape_str(pos_sizes), " must be broadcastable to ",
-                    target, ".shape[:-1] = ", shape_str(shape));
+  const int64_t n = qi.dim() - 1;
+  const std::vector<int64_t> qb(qi.size.begin(), qi.size.begin() + n);
+  const std::vector<int64_t> kb =
+      ki ? std::vector<int64_t>(ki->size.begin(), ki->size.begin() + n) : qb;
+  auto not_broadcastable = [&](const char* target, const std::vector<int64_t>& shape) {
+    return str("positions of shape ", shape_str(pos_sizes), " must be broadcastable to ", target,
+               ".shape[:-1] = ", shape_str(shape));
   };
   const int64_t pos_dim = int64_t(pos_sizes.size());
-  TORCH_CHECK_VALUE(pos_dim <= n, not_broadcastable(xname, qb));
+  ROPE_CHECK(ValueError, pos_dim <= n, not_broadcastable(xname, qb));
 
   std::vector<Dim> tok, qh, kh;
   for (int64_t d = 0; d < n; ++d) {
     const int64_t pd = d - (n - pos_dim);
     const int64_t psize = pd >= 0 ? pos_sizes[pd] : 1;
     const int64_t pstride = pd >= 0 && psize > 1 ? pos_strides[pd] : 0;
-    TORCH_CHECK_VALUE(psize == 1 || psize == qb[d], not_broadcastable(xname, qb));
-    TORCH_CHECK_VALUE(psize == 1 || psize == kb[d], not_broadcastable("k", kb));
-    const int64_t qin = q_in.stride(d), qout = q_out.stride(d);
-    const int64_t kin = k_in ? k_in->stride(d) : 0, kout = k_out ? k_out->stride(d) : 0;
+    ROPE_CHECK(ValueError, psize == 1 || psize == qb[d], not_broadcastable(xname, qb));
+    ROPE_CHECK(ValueError, psize == 1 || psize == kb[d], not_broadcastable("k", kb));
+    const int64_t qin = qi.stride[d], qout = qo.stride[d];
+    const int64_t kin = ki ? ki->stride[d] : 0, kout = ko ? ko->stride[d] : 0;
     if (pstride != 0) {
       tok.push_back(Dim{psize, {pstride, qin, qout, kin, kout}});
     } else {
@@ -323,8 +369,8 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
     }
   }
   tok = coalesce(tok, 5);
-  TORCH_CHECK_VALUE(tok.size() <= size_t(rope::kMaxDims),
-                    "too many batch dims that cannot be merged (at most ", rope::kMaxDims, ")");
+  ROPE_CHECK(ValueError, tok.size() <= size_t(rope::kMaxDims),
+             "too many batch dims that cannot be merged (at most ", rope::kMaxDims, ")");
 
   rope::RopeParams p{};
   p.n_tensors = k_in ? 2 : 1;
@@ -339,33 +385,36 @@ rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
     }
     p.n_tokens *= tok[i].size;
   }
-  // A separate output gets the pass-through features copied; in place they
-  // are already there.
-  p.t[0].in = q_in.data_ptr();
-  p.t[0].out = q_out.data_ptr();
-  p.t[0].copy_pass = !q_out.is_same(q_in);
+  // A separate output gets the pass-through features copied; in place (the
+  // same memory with the same layout) they are already there.
+  auto same = [](const Layout& a, const Layout& b) {
+    return a.data == b.data && a.stride == b.stride;
+  };
+  p.t[0].in = reinterpret_cast<void*>(qi.data);
+  p.t[0].out = reinterpret_cast<void*>(qo.data);
+  p.t[0].copy_pass = !same(qi, qo);
   fill_heads(p.t[0], coalesce(qh, 2));
   if (k_in) {
-    p.t[1].in = k_in->data_ptr();
-    p.t[1].out = k_out->data_ptr();
-    p.t[1].copy_pass = !k_out->is_same(*k_in);
+    p.t[1].in = reinterpret_cast<void*>(ki->data);
+    p.t[1].out = reinterpret_cast<void*>(ko->data);
+    p.t[1].copy_pass = !same(*ki, *ko);
     fill_heads(p.t[1], coalesce(kh, 2));
   }
   p.positions = positions.data_ptr();
   for (int i = 0; i < 3; ++i) p.mrope_section[i] = mrope_sec[i];
   p.mrope_interleaved = mrope_interleaved;
   p.pos_section_stride = section_stride;
-  p.pos_int64 = positions.scalar_type() == at::kLong;
+  p.pos_int64 = pos_dtype == ScalarType::Long;
   p.cos_sin = cos_sin.data_ptr();
-  p.cs_row_stride = cos_sin.stride(0);
-  p.n_cache_rows = cos_sin.size(0);
+  p.cs_row_stride = cs_stride[0];
+  p.n_cache_rows = cs_size[0];
   p.head_dim = int(head_dim);
   p.rotary_dim = int(rotary_dim);
   p.rot_offset = int(rotary_offset);
   p.interleaved = interleaved;
   p.inverse = inverse;
-  p.x_dtype = to_dtype(q_in.scalar_type());
-  p.cs_dtype = to_dtype(cos_sin.scalar_type());
+  p.x_dtype = to_dtype(dtype);
+  p.cs_dtype = to_dtype(cs_dtype);
   return p;
 }
 
@@ -387,58 +436,56 @@ int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
 }
 
 namespace {
-void run(const rope::RopeParams& p, const at::Tensor& q, const Backend& backend) {
+
+void run(const rope::RopeParams& p, const Tensor& q, const Backend& backend) {
   int64_t heads = 0;
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
   if (p.n_tokens == 0 || heads == 0) return;  // empty: nothing to read or write
   if (backend.check_positions) backend.check_positions(p);
   backend.launch(p, q);
 }
-}  // namespace
 
-namespace {
 // Output for x: x's layout (empty_like), unless that leaves the last dim
 // strided, as it does for some expanded inputs (sizes [1, 2, 3], strides
 // [1, 0, 1] give [1, 1, 2]); then row-major.
-at::Tensor empty_output(const at::Tensor& x) {
-  at::Tensor out = at::empty_like(x);
-  if (out.dim() > 0 && out.size(-1) > 1 && out.stride(-1) != 1)
-    out = at::empty_like(x, at::MemoryFormat::Contiguous);
+Tensor empty_output(const Tensor& x) {
+  Tensor out = torch::stable::empty_like(x);
+  const int64_t dim = out.dim();
+  if (dim > 0 && out.size(dim - 1) > 1 && out.stride(dim - 1) != 1)
+    out = torch::stable::empty(x.sizes(), x.scalar_type(), std::nullopt, x.device());
   return out;
 }
+
 }  // namespace
 
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                  bool interleaved, bool inverse, int64_t rotary_offset,
-                  at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
-                  const Backend& backend) {
+Tensor rotary(const Tensor& x, const Tensor& positions, const Tensor& cos_sin, bool interleaved,
+              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
+              bool mrope_interleaved, const Backend& backend) {
   check_input(x, "x");
-  at::Tensor out = empty_output(x);
+  Tensor out = empty_output(x);
   const auto p = make_params(x, out, nullptr, nullptr, positions, cos_sin, interleaved, inverse,
                              rotary_offset, mrope_section, mrope_interleaved);
   run(p, x, backend);
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& positions, const at::Tensor& cos_sin,
-                                             bool interleaved, bool inverse, int64_t rotary_offset,
-                                             at::OptionalIntArrayRef mrope_section,
-                                             bool mrope_interleaved, const Backend& backend) {
+std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Tensor& positions,
+                                     const Tensor& cos_sin, bool interleaved, bool inverse,
+                                     int64_t rotary_offset, const Sections& mrope_section,
+                                     bool mrope_interleaved, const Backend& backend) {
   check_input(q, "q");
   check_input(k, "k");
-  at::Tensor q_out = empty_output(q), k_out = empty_output(k);
+  Tensor q_out = empty_output(q), k_out = empty_output(k);
   const auto p = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse,
                              rotary_offset, mrope_section, mrope_interleaved);
   run(p, q, backend);
   return {q_out, k_out};
 }
 
-void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
-                bool inverse, int64_t rotary_offset, at::OptionalIntArrayRef mrope_section,
-                bool mrope_interleaved, const Backend& backend) {
-  const at::Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
+void rotary_qk_(const Tensor& q, const std::optional<Tensor>& k, const Tensor& positions,
+                const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
+                const Sections& mrope_section, bool mrope_interleaved, const Backend& backend) {
+  const Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
   const auto p = make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, rotary_offset,
                              mrope_section, mrope_interleaved, "q");
   check_writable(q, kp);

@@ -1,60 +1,98 @@
-// Binding layer shared by every backend: argument checks with user-facing
-// messages, construction of rope::RopeParams from tensors, and the three op
-// bodies. A backend only supplies how to run the kernel.
+// Binding layer shared by every backend, on the LibTorch stable ABI
+// (torch/csrc/stable, header-only torch/headeronly): argument checks with
+// user-facing messages, construction of rope::RopeParams from tensors, and the
+// three op bodies. A backend only supplies how to run the kernel.
+//
+// Errors are standard exceptions, which reach Python as: std::invalid_argument
+// -> ValueError, std::out_of_range -> IndexError. A wrong type or dtype throws
+// TypeError below (an std::invalid_argument, so ValueError from the bare op);
+// the Python API re-raises those as TypeError (rope_ext/ops.py).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <torch/csrc/stable/tensor.h>
 
+#include <cstdint>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "../rope/params.h"
 
 namespace rope_ext {
+
+using torch::stable::Tensor;
+using Sections = std::optional<std::vector<int64_t>>;
+
+// A wrong type or dtype. Its message starts with the argument's name and
+// contains " must be " or " must have the dtype"; rope_ext/ops.py re-raises it
+// as TypeError (_TYPE_ERRORS there lists the phrases).
+struct TypeError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// The message of the parts streamed in order.
+template <class... Args>
+std::string str(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+// Throws E(str(message parts...)) unless cond; the message is built only then.
+#define ROPE_CHECK(E, cond, ...)             \
+  do {                                       \
+    if (!(cond)) [[unlikely]]                \
+      throw E(::rope_ext::str(__VA_ARGS__)); \
+  } while (0)
 
 struct Backend {
   // Raise if a position is outside [0, cos_sin.size(0)); null when the
   // backend cannot look at positions without a host synchronisation.
   void (*check_positions)(const rope::RopeParams& p);
   // Rotate every token of p.
-  void (*launch)(const rope::RopeParams& p, const at::Tensor& q);
+  void (*launch)(const rope::RopeParams& p, const Tensor& q);
 };
 
 // rope_ext::rotary
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                  bool interleaved, bool inverse, int64_t rotary_offset,
-                  at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
-                  const Backend& backend);
+Tensor rotary(const Tensor& x, const Tensor& positions, const Tensor& cos_sin, bool interleaved,
+              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
+              bool mrope_interleaved, const Backend& backend);
 
 // rope_ext::rotary_qk
-std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& positions, const at::Tensor& cos_sin,
-                                             bool interleaved, bool inverse, int64_t rotary_offset,
-                                             at::OptionalIntArrayRef mrope_section,
-                                             bool mrope_interleaved, const Backend& backend);
+std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Tensor& positions,
+                                     const Tensor& cos_sin, bool interleaved, bool inverse,
+                                     int64_t rotary_offset, const Sections& mrope_section,
+                                     bool mrope_interleaved, const Backend& backend);
 
 // rope_ext::rotary_qk_ (in place)
-void rotary_qk_(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved,
-                bool inverse, int64_t rotary_offset, at::OptionalIntArrayRef mrope_section,
-                bool mrope_interleaved, const Backend& backend);
+void rotary_qk_(const Tensor& q, const std::optional<Tensor>& k, const Tensor& positions,
+                const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
+                const Sections& mrope_section, bool mrope_interleaved, const Backend& backend);
 
 // Checks the arguments and returns the kernel parameters for in -> out
-// (out may be in). Throws ValueError / TypeError / IndexError-style c10
-// errors naming the argument (q_name, default "q" with k and "x" without);
-// touches no data.
-rope::RopeParams make_params(const at::Tensor& q_in, const at::Tensor& q_out,
-                             const at::Tensor* k_in, const at::Tensor* k_out,
-                             const at::Tensor& positions, const at::Tensor& cos_sin,
+// (out may be in). Throws the exceptions above, naming the argument (q_name,
+// default "q" with k and "x" without); touches no data.
+rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tensor* k_in,
+                             const Tensor* k_out, const Tensor& positions, const Tensor& cos_sin,
                              bool interleaved, bool inverse, int64_t rotary_offset,
-                             at::OptionalIntArrayRef mrope_section, bool mrope_interleaved,
+                             const Sections& mrope_section, bool mrope_interleaved,
                              const char* q_name = nullptr);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.
-void check_writable(const at::Tensor& q, const at::Tensor* k);
+void check_writable(const Tensor& q, const Tensor* k);
 
 // First token whose position is outside the cache, or -1.
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value);
+
+// "[2, 3]"
+std::string shape_str(const std::vector<int64_t>& s);
+
+// Sizes and strides as vectors (one call into libtorch each).
+std::vector<int64_t> sizes_of(const Tensor& t);
+std::vector<int64_t> strides_of(const Tensor& t);
 
 }  // namespace rope_ext

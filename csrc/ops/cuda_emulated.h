@@ -1,12 +1,12 @@
-// Test support, built only with ROPE_EXT_TESTING=1: the CUDA kernel body
-// (rope/cuda_kernel.cuh) run on the CPU, one thread of the CUDA grid at a
-// time, with every vector access checked for alignment.
+// Test support, built only with ROPE_EXT_TESTING=1 (library rope_ext._C_testing):
+// the CUDA kernel body (rope/cuda_kernel.cuh) run on the CPU, one thread of the
+// CUDA grid at a time, with every vector access checked for alignment.
 #pragma once
-
-#include <ATen/ATen.h>
 
 #include <optional>
 #include <vector>
+
+#include "binding.h"
 
 namespace rope_ext {
 
@@ -15,11 +15,10 @@ namespace rope_ext {
 // force_scalar disables the 16-byte accesses; features [rotary_offset,
 // rotary_offset + rotary_dim) rotate. Returns [grid_x, grid_y,
 // block_x, block_y, vectorized].
-std::vector<int64_t> cuda_emulated(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                                   const at::Tensor& q_out, const std::optional<at::Tensor>& k_out,
-                                   const at::Tensor& positions, const at::Tensor& cos_sin,
+std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_out,
+                                   std::optional<Tensor> k_out, Tensor positions, Tensor cos_sin,
                                    bool interleaved, bool inverse, int64_t num_sms,
-                                   bool force_scalar, int64_t rotary_offset,
-                                   at::OptionalIntArrayRef mrope_section, bool mrope_interleaved);
+                                   bool force_scalar, int64_t rotary_offset, Sections mrope_section,
+                                   bool mrope_interleaved);
 
 }  // namespace rope_ext

@@ -1,10 +1,10 @@
-// CUDA kernels of the rope_ext ops: launch on the current stream under a
-// device guard; no host synchronisation and no allocation besides the
+// CUDA kernels of the rope_ext ops, in their own library (rope_ext._C_cuda,
+// loaded by rope_ext/ops.py when torch has CUDA): launch on the current stream
+// under a device guard; no host synchronisation and no allocation besides the
 // outputs of the out-of-place ops, so every op can be captured in a CUDA graph.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
 
 #include <array>
 #include <atomic>
@@ -15,22 +15,29 @@
 namespace rope_ext {
 namespace {
 
-int64_t sm_count(int device) {
+void cuda_check(cudaError_t err) {
+  if (err != cudaSuccess) throw std::runtime_error(str("CUDA error: ", cudaGetErrorString(err)));
+}
+
+int sm_count(int device) {
   // Cached per device: the launch path makes no CUDA API call but the launch.
   static std::array<std::atomic<int>, 64> cache{};
   if (device >= 0 && device < 64) {
     if (const int n = cache[device].load(std::memory_order_relaxed)) return n;
   }
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
   return n;
 }
 
-void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  C10_CUDA_CHECK(
-      rope::gpu::launch(p, int(sm_count(q.get_device())), c10::cuda::getCurrentCUDAStream()));
+void launch_cuda(const rope::RopeParams& p, const Tensor& q) {
+  const int device = q.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  void* stream = nullptr;
+  if (aoti_torch_get_current_cuda_stream(device, &stream) != AOTI_TORCH_SUCCESS)
+    throw std::runtime_error("rope_ext: could not get the current CUDA stream");
+  cuda_check(rope::gpu::launch(p, sm_count(device), static_cast<cudaStream_t>(stream)));
 }
 
 // Positions are not inspected on the host (that would synchronise): a
@@ -38,27 +45,22 @@ void launch_cuda(const rope::RopeParams& p, const at::Tensor& q) {
 // rope_ext.set_position_checks(True) makes the Python API raise instead.
 constexpr Backend kCuda{nullptr, launch_cuda};
 
-at::Tensor rotary_cuda(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
-                       bool interleaved, bool inverse, int64_t rotary_offset,
-                       at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+Tensor rotary_cuda(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved, bool inverse,
+                   int64_t rotary_offset, Sections mrope_section, bool mrope_interleaved) {
   return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
                 mrope_interleaved, kCuda);
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary_qk_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& positions,
-                                                  const at::Tensor& cos_sin, bool interleaved,
-                                                  bool inverse, int64_t rotary_offset,
-                                                  at::OptionalIntArrayRef mrope_section,
-                                                  bool mrope_interleaved) {
+std::tuple<Tensor, Tensor> rotary_qk_cuda(Tensor q, Tensor k, Tensor positions, Tensor cos_sin,
+                                          bool interleaved, bool inverse, int64_t rotary_offset,
+                                          Sections mrope_section, bool mrope_interleaved) {
   return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
                    mrope_interleaved, kCuda);
 }
 
-void rotary_qk_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                            const at::Tensor& positions, const at::Tensor& cos_sin,
+void rotary_qk_inplace_cuda(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin,
                             bool interleaved, bool inverse, int64_t rotary_offset,
-                            at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+                            Sections mrope_section, bool mrope_interleaved) {
   rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
              mrope_interleaved, kCuda);
 }
@@ -66,8 +68,19 @@ void rotary_qk_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>
 }  // namespace
 }  // namespace rope_ext
 
-TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
-  m.impl("rotary", &rope_ext::rotary_cuda);
-  m.impl("rotary_qk", &rope_ext::rotary_qk_cuda);
-  m.impl("rotary_qk_", &rope_ext::rotary_qk_inplace_cuda);
+#if defined(ROPE_EXT_PYTHON_MODULE)
+#include <Python.h>
+extern "C" {
+// Importable as rope_ext._C_cuda (registers the kernels below); no Python functions.
+PyMODINIT_FUNC PyInit__C_cuda(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C_cuda", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+}
+#endif
+
+STABLE_TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
+  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_cuda));
+  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_cuda));
+  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_cuda));
 }

@@ -1,20 +1,20 @@
 // Every schema of the rope_ext namespace. Backends register their kernels in
-// ops_cpu.cpp and ops_cuda.cu.
-#include <torch/library.h>
+// ops_cpu.cpp and ops_cuda.cu (a separate library, loaded when torch has CUDA).
+#include <torch/csrc/stable/library.h>
 
 #if defined(ROPE_EXT_PYTHON_MODULE)
 #include <Python.h>
 extern "C" {
 // Makes the library importable as rope_ext._C so that the static
 // registrations below run on import; it exposes no Python functions.
-PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);
 }
 }
 #endif
 
-TORCH_LIBRARY(rope_ext, m) {
+STABLE_TORCH_LIBRARY(rope_ext, m) {
   // Rotates x [..., head_dim] by cos_sin[positions] (positions broadcast to
   // x.shape[:-1]): features [rotary_offset, rotary_offset + rotary_dim), with
   // rotary_dim = cos_sin.shape[-1]; the others are copied. With mrope_section
@@ -34,25 +34,6 @@ TORCH_LIBRARY(rope_ext, m) {
       "rotary_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
       "bool interleaved=False, bool inverse=False, int rotary_offset=0, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
-#if defined(ROPE_EXT_TESTING)
-  // Test builds only (ROPE_EXT_TESTING=1): the CUDA kernel body run on the CPU
-  // over the CUDA grid, writing into q_out / k_out (which may be q / k).
-  // num_sms picks the grid shape as on a GPU with that many SMs; force_scalar
-  // disables 16-byte accesses. Returns [grid_x, grid_y, block_x, block_y,
-  // vectorized].
-  m.def(
-      "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
-      "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar, "
-      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
-#endif
-  // Whether this build contains the CUDA kernels.
-  m.def("_built_with_cuda() -> bool", [] {
-#if defined(ROPE_EXT_WITH_CUDA)
-    return true;
-#else
-    return false;
-#endif
-  });
   // The CPU kernel's instruction sets (csrc/rope/cpu.h), implemented in
   // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
   // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.
