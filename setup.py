@@ -89,6 +89,15 @@ def extensions():
 class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
     """One build folder per extension: they share sources (binding.cpp) compiled with different flags."""
 
+    def run(self):
+        # build/lib is shared by every build of this tree: drop the libraries this build does not make
+        # (a test build's _C_testing, another Python's module), so that a wheel holds exactly its own.
+        wanted = {self.get_ext_filename(e.name) for e in self.extensions}
+        for old in glob.glob(os.path.join(self.build_lib, "rope_ext", "_C*.so")):
+            if os.path.relpath(old, self.build_lib) not in wanted:
+                os.remove(old)
+        super().run()
+
     def build_extension(self, ext):
         base = self.build_temp
         self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
