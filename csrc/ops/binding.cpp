@@ -15,7 +15,7 @@ namespace rope_ext {
 using torch::headeronly::ScalarType;
 using ValueError = std::invalid_argument;
 
-std::string shape_str(const std::vector<int64_t>& s) {
+std::string shape_str(IntRef s) {
   std::ostringstream os;
   os << "[";
   for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
@@ -34,6 +34,25 @@ std::vector<int64_t> strides_of(const Tensor& t) {
 }
 
 namespace {
+
+struct Dim {
+  int64_t size;
+  std::array<int64_t, 5> stride;  // positions, q in, q out, k in, k out
+};
+
+// Dims of one tensor on the stack (no allocation per call): at most kMaxRank.
+constexpr int64_t kMaxRank = 64;
+struct Dims {
+  std::array<Dim, kMaxRank> d;
+  size_t n = 0;
+  void push_back(const Dim& x) { d[n++] = x; }
+  size_t size() const { return n; }
+  bool empty() const { return n == 0; }
+  Dim& back() { return d[n - 1]; }
+  const Dim& operator[](size_t i) const { return d[i]; }
+  const Dim* begin() const { return d.data(); }
+  const Dim* end() const { return d.data() + n; }
+};
 
 bool is_supported_float(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half ||
@@ -60,12 +79,12 @@ std::string device_str(const Tensor& t) {
 
 // A tensor's layout, read once (every query is a call into libtorch).
 struct Layout {
-  std::vector<int64_t> size, stride;
+  IntRef size, stride;  // views of the tensor's own (it outlives the Layout)
   int64_t element_size;
   int64_t data;  // address of the first element
   explicit Layout(const Tensor& t)
-      : size(sizes_of(t)),
-        stride(strides_of(t)),
+      : size(t.sizes()),
+        stride(t.strides()),
         element_size(int64_t(t.element_size())),
         data(reinterpret_cast<int64_t>(t.data_ptr())) {}
   int64_t dim() const { return int64_t(size.size()); }
@@ -82,13 +101,15 @@ void check_input(const Tensor& x, const char* name) {
              " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
              x.scalar_type());
   const int64_t dim = x.dim();
+  ROPE_CHECK(ValueError, dim <= kMaxRank, name, " must have at most ", kMaxRank, " dims, got ",
+             dim);
   ROPE_CHECK(ValueError, dim >= 1, name,
              " must have at least one dim [..., head_dim], got a scalar");
   const int64_t d = x.size(dim - 1);
   ROPE_CHECK(ValueError, d <= rope::kMaxHeadDim, name, ".shape[-1] (head_dim) must be at most ",
              rope::kMaxHeadDim, ", got ", d);
   ROPE_CHECK(ValueError, d <= 1 || x.stride(dim - 1) == 1, name,
-             " must have a contiguous last dim (stride 1), got strides ", shape_str(strides_of(x)));
+             " must have a contiguous last dim (stride 1), got strides ", shape_str(x.strides()));
 }
 
 // Byte extent [lo, hi) of the elements of t.
@@ -206,14 +227,9 @@ bool overlaps(const Layout& a, const Layout& b) {
   return false;
 }
 
-struct Dim {
-  int64_t size;
-  std::array<int64_t, 5> stride;  // positions, q in, q out, k in, k out
-};
-
 // Drops size-1 dims and merges neighbours that are contiguous in every stride.
-std::vector<Dim> coalesce(const std::vector<Dim>& dims, int n_strides) {
-  std::vector<Dim> out;
+Dims coalesce(const Dims& dims, int n_strides) {
+  Dims out;
   for (const Dim& d : dims) {
     if (d.size == 1) continue;
     if (!out.empty() && d.size != 0 && out.back().size != 0) {
@@ -232,7 +248,7 @@ std::vector<Dim> coalesce(const std::vector<Dim>& dims, int n_strides) {
   return out;
 }
 
-void fill_heads(rope::RotTensor& t, const std::vector<Dim>& dims) {
+void fill_heads(rope::RotTensor& t, const Dims& dims) {
   ROPE_CHECK(ValueError, dims.size() <= size_t(rope::kMaxDims),
              "too many batch dims that cannot be merged (at most ", rope::kMaxDims, ")");
   t.n_head_dims = int(dims.size());
@@ -288,7 +304,7 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
   }
 
   ROPE_CHECK(TypeError, cos_sin.defined(), "cos_sin must be a tensor, got None");
-  const std::vector<int64_t> cs_size = sizes_of(cos_sin), cs_stride = strides_of(cos_sin);
+  const IntRef cs_size = cos_sin.sizes(), cs_stride = cos_sin.strides();
   ROPE_CHECK(ValueError, cs_size.size() == 2,
              "cos_sin must have shape [positions, rotary_dim], got shape ", shape_str(cs_size));
   const ScalarType cs_dtype = cos_sin.scalar_type();
@@ -322,7 +338,7 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
   ROPE_CHECK(ValueError, mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
   int mrope_sec[3] = {0, 0, 0};
   int64_t section_stride = 0;
-  std::vector<int64_t> pos_sizes = sizes_of(positions), pos_strides = strides_of(positions);
+  IntRef pos_sizes = positions.sizes(), pos_strides = positions.strides();
   if (mrope) {
     const auto& sec = *mrope_section;
     const bool ok = sec.size() == 3 && sec[0] >= 0 && sec[1] >= 0 && sec[2] >= 0 &&
@@ -337,22 +353,21 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
                shape_str(pos_sizes));
     for (int s = 0; s < 3; ++s) mrope_sec[s] = int(sec[s]);
     section_stride = pos_strides[0];
-    pos_sizes.erase(pos_sizes.begin());
-    pos_strides.erase(pos_strides.begin());
+    pos_sizes = pos_sizes.slice(1);
+    pos_strides = pos_strides.slice(1);
   }
 
   const int64_t n = qi.dim() - 1;
-  const std::vector<int64_t> qb(qi.size.begin(), qi.size.begin() + n);
-  const std::vector<int64_t> kb =
-      ki ? std::vector<int64_t>(ki->size.begin(), ki->size.begin() + n) : qb;
-  auto not_broadcastable = [&](const char* target, const std::vector<int64_t>& shape) {
+  const IntRef qb = qi.size.slice(0, n);
+  const IntRef kb = ki ? ki->size.slice(0, n) : qb;
+  auto not_broadcastable = [&](const char* target, IntRef shape) {
     return str("positions of shape ", shape_str(pos_sizes), " must be broadcastable to ", target,
                ".shape[:-1] = ", shape_str(shape));
   };
   const int64_t pos_dim = int64_t(pos_sizes.size());
   ROPE_CHECK(ValueError, pos_dim <= n, not_broadcastable(xname, qb));
 
-  std::vector<Dim> tok, qh, kh;
+  Dims tok, qh, kh;
   for (int64_t d = 0; d < n; ++d) {
     const int64_t pd = d - (n - pos_dim);
     const int64_t psize = pd >= 0 ? pos_sizes[pd] : 1;
@@ -388,7 +403,7 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
   // A separate output gets the pass-through features copied; in place (the
   // same memory with the same layout) they are already there.
   auto same = [](const Layout& a, const Layout& b) {
-    return a.data == b.data && a.stride == b.stride;
+    return a.data == b.data && a.stride.equals(b.stride);
   };
   p.t[0].in = reinterpret_cast<void*>(qi.data);
   p.t[0].out = reinterpret_cast<void*>(qo.data);

@@ -25,6 +25,7 @@ namespace rope_ext {
 
 using torch::stable::Tensor;
 using Sections = std::optional<std::vector<int64_t>>;
+using IntRef = torch::headeronly::IntHeaderOnlyArrayRef;
 
 // A wrong type or dtype. Its message starts with the argument's name and
 // contains " must be " or " must have the dtype"; rope_ext/ops.py re-raises it
@@ -89,7 +90,7 @@ void check_writable(const Tensor& q, const Tensor* k);
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value);
 
 // "[2, 3]"
-std::string shape_str(const std::vector<int64_t>& s);
+std::string shape_str(IntRef s);
 
 // Sizes and strides as vectors (one call into libtorch each).
 std::vector<int64_t> sizes_of(const Tensor& t);
