@@ -272,3 +272,244 @@ def hf_apply_rotary_pos_emb(
         return torch.cat(((x_rot * cos) + (rot(x_rot) * sin), x_pass), dim=-1)
 
     return one(q), one(k)
+
+
+# Serving fusions: QK norm + rotary, KV-cache write -------------------------------------------------------
+
+__all__ += [
+    "rms_norm",
+    "qk_norm_rotary",
+    "qk_norm_rotary_unfused",
+    "FP8_MAX",
+    "quantize_fp8",
+    "kv_cache_write",
+]
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+"""The largest finite value of each fp8 KV-cache dtype (what :func:`quantize_fp8` saturates to)."""
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, weight_offset: float = 0.0) -> Tensor:
+    """RMSNorm over the last dim, in float64: ``x / sqrt(mean(x^2) + eps) * (weight + weight_offset)``.
+
+    ``x [..., N]`` and ``weight [N]`` of any float dtypes (both converted to float64 first);
+    ``weight_offset=1.0`` is Gemma's ``(1 + weight)``. Returns float64 ``[..., N]``, never rounded.
+    Differentiable in ``x`` and ``weight``.
+    """
+    x = x.to(torch.float64)
+    ms = x.square().mean(dim=-1, keepdim=True)
+    return x / torch.sqrt(ms + eps) * (weight.to(torch.float64) + weight_offset)
+
+
+def _is_int(t: Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _token_positions(positions: Tensor, tokens: int) -> Tensor:
+    """``positions [T]`` (integer) as ``[T, 1]``, broadcastable to ``[T, H]``."""
+    if not _is_int(positions):
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    if positions.shape != (tokens,):
+        raise ValueError(f"positions must be [T] = [{tokens}], got {list(positions.shape)}")
+    return positions.reshape(tokens, 1)
+
+
+def qk_norm_rotary(
+    qkv: Tensor,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    eps: float = 1e-6,
+    interleaved: bool = False,
+    weight_offset: float = 0.0,
+) -> Tensor:
+    """Per-head QK RMSNorm then rotary on a packed ``qkv`` (vLLM's ``fused_qk_norm_rope``), as a new tensor.
+
+    ``qkv [T, (Hq + Hk + Hv) * D]`` (float32, float16 or bfloat16; ``D = qkv.shape[-1] // (Hq+Hk+Hv)``)
+    holds, per token, ``Hq`` query heads, then ``Hk`` key heads, then ``Hv`` value heads of ``D``
+    features. ``q_weight``, ``k_weight``: ``[D]``, any float dtype. ``positions``: integer ``[T]``.
+    ``cos_sin [P, rotary_dim]`` as for :func:`rotary_hadamard`; ``rotary_dim < D`` is partial rotary
+    (features ``[rotary_dim, D)`` pass through after the norm).
+
+    Each q head (with ``q_weight``) and each k head (with ``k_weight``) is :func:`rms_norm`-ed over its
+    ``D`` features in float64, scaled by ``weight + weight_offset`` and rounded once to ``qkv.dtype``
+    (the norm output in the activation dtype, as the unfused model hands it to the rotary), then rotated
+    by :func:`rotary_hadamard` in float64 from those rounded values and rounded to ``qkv.dtype``. The
+    ``v`` heads are copied bit for bit. Returns a tensor of ``qkv``'s shape and dtype; ``qkv`` is not
+    modified.
+
+    The rounding between norm and rotary is part of this definition: vLLM's CUDA kernel keeps the
+    normalised value in float32 registers and rounds only the rotated result, so the two can differ by
+    the rotary's image of one half-ulp of the norm output.
+    """
+    counts = (num_heads_q, num_heads_k, num_heads_v)
+    if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in counts) or not (
+        num_heads_q and num_heads_k
+    ):
+        raise ValueError(f"head counts must be ints, q and k >= 1, v >= 0; got {counts}")
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be [T, (Hq+Hk+Hv)*D], got {list(qkv.shape)}")
+    heads = sum(counts)
+    tokens, width = qkv.shape
+    if width % heads:
+        raise ValueError(f"qkv.shape[-1]={width} is not a multiple of Hq+Hk+Hv={heads}")
+    d = width // heads
+    if q_weight.shape != (d,) or k_weight.shape != (d,):
+        raise ValueError(
+            f"q_weight and k_weight must be [D] = [{d}], got {list(q_weight.shape)}, {list(k_weight.shape)}"
+        )
+    if cos_sin.shape[-1] > d or cos_sin.shape[-1] % 2:
+        raise ValueError(f"rotary_dim={cos_sin.shape[-1]} must be even and <= D={d}")
+    pos = _token_positions(positions, tokens)
+    x = qkv.reshape(tokens, heads, d)
+    q = x[:, :num_heads_q]
+    k = x[:, num_heads_q : num_heads_q + num_heads_k]
+    v = x[:, num_heads_q + num_heads_k :]
+
+    def one(h: Tensor, weight: Tensor) -> Tensor:
+        normed = rms_norm(h, weight, eps, weight_offset).to(qkv.dtype)
+        return rotary_hadamard(normed, pos, cos_sin, interleaved=interleaved).to(qkv.dtype)
+
+    return torch.cat([one(q, q_weight), one(k, k_weight), v], dim=1).reshape(qkv.shape)
+
+
+def qk_norm_rotary_unfused(
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    *,
+    eps: float = 1e-6,
+    interleaved: bool = False,
+    weight_offset: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """QK RMSNorm then rotary on separate heads, all in float64 with no intermediate rounding.
+
+    ``q [T, Hq, D]``, ``k [T, Hk, D]``, ``q_weight``, ``k_weight`` ``[D]`` (any float dtypes),
+    ``positions`` integer ``[T]``, ``cos_sin [P, rotary_dim]`` with ``rotary_dim <= D``. Returns float64
+    ``(q', k')`` of q's and k's shapes: ``rotary_hadamard(rms_norm(h, w, eps, weight_offset))`` per head.
+    Built from plain differentiable torch ops, so autograd gives the gradients with respect to ``q``,
+    ``k``, ``q_weight`` and ``k_weight`` (the reference for a hand-written backward). Equal to
+    :func:`qk_norm_rotary` up to that function's two roundings to the activation dtype.
+    """
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q, k must be [T, H, D] with equal T and D, got {list(q.shape)}, {list(k.shape)}")
+    pos = _token_positions(positions, q.shape[0])
+
+    def one(h: Tensor, weight: Tensor) -> Tensor:
+        normed = rms_norm(h, weight, eps, weight_offset)
+        return rotary_hadamard(normed, pos, cos_sin, interleaved=interleaved)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def quantize_fp8(x: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
+    """Saturating scaled conversion to fp8, as vLLM's fp8 KV cache stores values.
+
+    ``x`` of any float dtype and shape is converted to float32, divided by ``scale`` (a one-element
+    float32 tensor, or a number) in float32, clamped to ``[-FP8_MAX[dtype], FP8_MAX[dtype]]`` (448 for
+    ``torch.float8_e4m3fn``, 57344 for ``torch.float8_e5m2``; infinities saturate too) and converted with
+    torch's own ``.to(dtype)`` (round to nearest even). NaN stays NaN. This matches vLLM's
+    ``scaled_convert`` (``x / scale`` in float32, then a ``__NV_SATFINITE`` conversion). Returns a
+    ``dtype`` tensor of x's shape on x's device.
+    """
+    if dtype not in FP8_MAX:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if s.numel() != 1:
+        raise ValueError(f"scale must have one element, got shape {list(s.shape)}")
+    m = FP8_MAX[dtype]
+    return (x.to(torch.float32) / s.reshape(())).clamp(-m, m).to(dtype)
+
+
+def kv_cache_write(
+    k: Tensor,
+    v: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    layout: str = "NHD",
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Paged KV-cache write (vLLM's ``reshape_and_cache_flash``): new caches with ``k``, ``v`` stored.
+
+    ``k [T, Hk, D]`` (already rotated) and ``v [T, Hk, Dv]`` of one float dtype. Caches:
+    ``layout="NHD"``: ``[num_blocks, block_size, Hk, D]``; ``"HND"``: ``[num_blocks, Hk, block_size, D]``
+    (``Dv`` for ``value_cache``). ``slot_mapping``: integer (int64) ``[T']`` with ``T' <= T``: token ``t``
+    goes to block ``slot // block_size``, offset ``slot % block_size``; slot ``-1`` skips the token, and
+    tokens ``t >= T'`` are not written. Slots must be ``-1`` or in ``[0, num_blocks * block_size)`` and
+    distinct (ValueError otherwise).
+
+    The caches' dtype is k's dtype (values stored as they are; ``k_scale``/``v_scale`` are then ignored,
+    as vLLM's ``kv_cache_dtype="auto"`` does) or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: then each
+    stored value is :func:`quantize_fp8` ``(x, scale, cache dtype)``, i.e. ``x / scale`` computed in
+    float32 and saturated to the fp8 type's finite max, as vLLM's fp8 KV cache does; ``k_scale``,
+    ``v_scale`` are one-element float32 tensors (``None`` is 1.0).
+
+    Returns ``(key_cache', value_cache')``, clones of the inputs with the written slots replaced; every
+    other slot keeps its bits. The inputs are not modified.
+    """
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"layout must be 'NHD' or 'HND', got {layout!r}")
+    if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k, v must be [T, Hk, D] with equal T and Hk, got {list(k.shape)}, {list(v.shape)}")
+    if k.dtype != v.dtype or not k.dtype.is_floating_point:
+        raise TypeError(f"k and v must share one float dtype, got {k.dtype}, {v.dtype}")
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (k.dtype, *FP8_MAX):
+        raise TypeError(
+            f"caches must share k's dtype ({k.dtype}) or an fp8 dtype, got {key_cache.dtype}, "
+            f"{value_cache.dtype}"
+        )
+    if key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise ValueError("key_cache and value_cache must be 4-d")
+    if layout == "NHD":
+        num_blocks, block_size = key_cache.shape[:2]
+        want_k = (num_blocks, block_size, k.shape[1], k.shape[2])
+        want_v = (num_blocks, block_size, v.shape[1], v.shape[2])
+    else:
+        num_blocks, block_size = key_cache.shape[0], key_cache.shape[2]
+        want_k = (num_blocks, k.shape[1], block_size, k.shape[2])
+        want_v = (num_blocks, v.shape[1], block_size, v.shape[2])
+    if key_cache.shape != want_k or value_cache.shape != want_v:
+        raise ValueError(
+            f"{layout} caches for k {list(k.shape)}, v {list(v.shape)} must be {list(want_k)}, "
+            f"{list(want_v)}; got {list(key_cache.shape)}, {list(value_cache.shape)}"
+        )
+    if not _is_int(slot_mapping):
+        raise TypeError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > k.shape[0]:
+        raise ValueError(
+            f"slot_mapping must be [T'] with T' <= T={k.shape[0]}, got {list(slot_mapping.shape)}"
+        )
+    slots = slot_mapping.to(device=k.device, dtype=torch.int64)
+    n_slots = num_blocks * block_size
+    bad = (slots < -1) | (slots >= n_slots)
+    if bad.any():
+        raise ValueError(f"slots must be -1 or in [0, {n_slots}), got {slots[bad].tolist()}")
+    tokens = (slots >= 0).nonzero().flatten()
+    written = slots[tokens]
+    if written.unique().numel() != written.numel():
+        raise ValueError("slot_mapping writes one slot twice")
+    block, offset = written // block_size, written % block_size
+
+    def store(x: Tensor, cache: Tensor, scale) -> Tensor:
+        out = cache.clone()
+        vals = x[tokens]
+        if cache.dtype in FP8_MAX:
+            vals = quantize_fp8(vals, 1.0 if scale is None else scale, cache.dtype)
+        if layout == "NHD":
+            out[block, offset] = vals
+        else:
+            out[block, :, offset] = vals
+        return out
+
+    return store(k, key_cache, k_scale), store(v, value_cache, v_scale)
