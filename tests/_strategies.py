@@ -119,6 +119,22 @@ class Case:
     out: View | None = None  # emulation: where the out-of-place result goes
     out_k: View | None = None
     notes: dict = field(default_factory=dict)
+    rotary_offset: int = 0  # features [rotary_offset, rotary_offset + rotary_dim) rotate
+    mrope_section: tuple[int, int, int] | None = None  # positions then carry a leading dim of 3
+    mrope_interleaved: bool = False
+
+    def rope_kwargs(self) -> dict:
+        """The keyword arguments of the public ops (and the reference) besides the pairing."""
+        return dict(
+            rotary_offset=self.rotary_offset,
+            mrope_section=self.mrope_section,
+            mrope_interleaved=self.mrope_interleaved,
+        )
+
+    def op_tail(self) -> tuple:
+        """The registered ops' trailing arguments: rotary_offset, mrope_section, mrope_interleaved."""
+        sec = None if self.mrope_section is None else list(self.mrope_section)
+        return (self.rotary_offset, sec, self.mrope_interleaved)
 
     def with_k(self, k: View) -> Case:
         """This case with a k (in its own buffer)."""
@@ -132,7 +148,9 @@ class Case:
             f"Case({self.dtype}, D={self.head_dim}, r={self.rotary_dim}, q={self.q}, k={k}, "
             f"shared={self.shared_buffer}, pos={self.pos} {self.pos_dtype}, P={self.n_cache}, "
             f"cs={self.cs_dtype} pad={self.cs_pad}, interleaved={self.interleaved}, inverse={self.inverse}, "
-            f"scale={self.scale}, seed={self.seed}, out={self.out}, out_k={self.out_k})"
+            f"scale={self.scale}, seed={self.seed}, out={self.out}, out_k={self.out_k}, "
+            f"rotary_offset={self.rotary_offset}, mrope_section={self.mrope_section}, "
+            f"mrope_interleaved={self.mrope_interleaved})"
         )
 
 
@@ -208,6 +226,21 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
             k = draw(views(shape_k, expand=not inplace, align=align, start=start))
     else:
         q = draw(views(shape_q, expand=not inplace, align=align))
+    # Rotary part at an offset (vLLM's rope_dim_offset; a multiple of 16 keeps the vector path of an
+    # aligned case) and MRoPE sections (positions get a leading dim of 3), each in about a third of the draws.
+    rotary_offset = 0
+    if head_dim > rotary_dim and draw(st.integers(0, 2)) == 0:
+        step = 16 if aligned else 1
+        rotary_offset = step * draw(st.integers(0, (head_dim - rotary_dim) // step))
+    mrope_section = None
+    mrope_interleaved = False
+    if draw(st.integers(0, 2)) == 0:
+        half = rotary_dim // 2
+        t = draw(st.integers(0, half))
+        h = draw(st.integers(0, half - t))
+        mrope_section = (t, h, half - t - h)
+        mrope_interleaved = draw(st.booleans())
+        pos_shape = [3, *pos_shape]
     pos = draw(views(tuple(pos_shape), contiguous_last=False, expand=True))
     out = out_k = None
     if emulated_out:
@@ -233,6 +266,9 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
         seed=draw(st.integers(0, 2**31 - 1)),
         out=out,
         out_k=out_k,
+        rotary_offset=rotary_offset,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
     )
 
 

@@ -46,10 +46,13 @@ def expect_rotated(out: torch.Tensor, x: torch.Tensor, case: Case, positions, co
     assert out.shape == x.shape and out.dtype == x.dtype
     if out.numel() == 0:
         return
-    ref = reference.rotary_hadamard(x, positions, cos_sin, interleaved=case.interleaved, inverse=case.inverse)
-    r = case.rotary_dim
-    assert torch.equal(raw_bits(out[..., r:]), raw_bits(x[..., r:])), "pass-through features changed"
-    assert_close_to_reference(out[..., :r], ref[..., :r], x.abs().max().item())
+    ref = reference.rotary_hadamard(
+        x, positions, cos_sin, interleaved=case.interleaved, inverse=case.inverse, **case.rope_kwargs()
+    )
+    lo, hi = case.rotary_offset, case.rotary_offset + case.rotary_dim
+    for keep in (slice(0, lo), slice(hi, None)):
+        assert torch.equal(raw_bits(out[..., keep]), raw_bits(x[..., keep])), "pass-through features changed"
+    assert_close_to_reference(out[..., lo:hi], ref[..., lo:hi], x.abs().max().item())
 
 
 def expect_untouched(after: torch.Tensor, before: torch.Tensor, written: list) -> None:
@@ -162,7 +165,12 @@ def test_apply_rotary_matches_reference(case):
     run_checked(
         case,
         lambda b: rope_ext.apply_rotary(
-            b.q, b.positions, b.cos_sin, interleaved=case.interleaved, inverse=case.inverse
+            b.q,
+            b.positions,
+            b.cos_sin,
+            interleaved=case.interleaved,
+            inverse=case.inverse,
+            **case.rope_kwargs(),
         ),
         inplace=False,
     )
@@ -171,8 +179,12 @@ def test_apply_rotary_matches_reference(case):
 def _qk(case: Case):
     def call(b):
         if case.inverse:  # the public wrapper has no inverse flag: the registered op has
-            return ops.rotary_qk.default(b.q, b.k, b.positions, b.cos_sin, case.interleaved, True)
-        return rope_ext.apply_rotary_qk(b.q, b.k, b.positions, b.cos_sin, interleaved=case.interleaved)
+            return ops.rotary_qk.default(
+                b.q, b.k, b.positions, b.cos_sin, case.interleaved, True, *case.op_tail()
+            )
+        return rope_ext.apply_rotary_qk(
+            b.q, b.k, b.positions, b.cos_sin, interleaved=case.interleaved, **case.rope_kwargs()
+        )
 
     return call
 
@@ -188,9 +200,11 @@ def test_apply_rotary_qk_matches_reference(case):
 def _qk_inplace(case: Case):
     def call(b):
         if case.inverse:
-            ops.rotary_qk_.default(b.q, b.k, b.positions, b.cos_sin, case.interleaved, True)
+            ops.rotary_qk_.default(b.q, b.k, b.positions, b.cos_sin, case.interleaved, True, *case.op_tail())
         else:
-            rope_ext.apply_rotary_qk_(b.q, b.k, b.positions, b.cos_sin, interleaved=case.interleaved)
+            rope_ext.apply_rotary_qk_(
+                b.q, b.k, b.positions, b.cos_sin, interleaved=case.interleaved, **case.rope_kwargs()
+            )
 
     return call
 
@@ -231,6 +245,7 @@ def _emulated(case: Case, num_sms: int, force_scalar: bool, inplace: bool, launc
                 case.inverse,
                 num_sms,
                 force_scalar,
+                *case.op_tail(),
             )
         )
         return None if inplace else (q_out, k_out)
