@@ -32,23 +32,65 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def emulate(backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False, rotary_offset=0):
+def emulate(
+    backend,
+    q,
+    k,
+    positions,
+    cos_sin,
+    *,
+    interleaved,
+    inverse=False,
+    inplace=False,
+    rotary_offset=0,
+    mrope_section=None,
+    mrope_interleaved=False,
+):
     """Runs the CUDA kernel body on the host; returns (q_out, k_out, launch)."""
     skip_without_emulation()
     num_sms, scalar = EMULATION[backend]
     q_out = q if inplace else torch.empty_like(q)
     k_out = None if k is None else (k if inplace else torch.empty_like(k))
+    sec = None if mrope_section is None else list(mrope_section)
     launch = torch.ops.rope_ext._cuda_emulated(
-        q, k, q_out, k_out, positions, cos_sin, interleaved, inverse, num_sms, scalar, rotary_offset
+        q,
+        k,
+        q_out,
+        k_out,
+        positions,
+        cos_sin,
+        interleaved,
+        inverse,
+        num_sms,
+        scalar,
+        rotary_offset,
+        sec,
+        mrope_interleaved,
     )
     return q_out, k_out, launch
 
 
 def rotate_qk(
-    backend, q, k, positions, cos_sin, *, interleaved, inverse=False, inplace=False, rotary_offset=0
+    backend,
+    q,
+    k,
+    positions,
+    cos_sin,
+    *,
+    interleaved,
+    inverse=False,
+    inplace=False,
+    rotary_offset=0,
+    mrope_section=None,
+    mrope_interleaved=False,
 ):
     """Rotates q (and k, which may be None) with `backend`; returns the rotated (q, k)."""
-    kw = dict(interleaved=interleaved, rotary_offset=rotary_offset)
+    kw = dict(
+        interleaved=interleaved,
+        rotary_offset=rotary_offset,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+    )
     if backend.startswith("emu"):
         q_out, k_out, _ = emulate(backend, q, k, positions, cos_sin, inverse=inverse, inplace=inplace, **kw)
         return q_out, k_out

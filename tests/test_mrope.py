@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _helpers import DTYPES, assert_close_to_reference, make_cos_sin
-from backends import BACKENDS, EMULATION, device_of
+from backends import BACKENDS, device_of, rotate_qk
 from torch.library import opcheck
 
 import rope_ext
@@ -43,18 +43,8 @@ def test_mrope_matches_reference(backend, dtype, interleaved, inplace):
     for i, (R, sec, mil) in enumerate(CONFIGS):
         q, k, pos, cs = (t.to(device) for t in _inputs(dtype, R, R + 6, seed=i))
         kw = dict(interleaved=interleaved, mrope_section=sec, mrope_interleaved=mil)
-        if backend.startswith("emu"):
-            qo, ko = (q.clone(), k.clone()) if inplace else (torch.empty_like(q), torch.empty_like(k))
-            num_sms, scalar = EMULATION[backend]
-            src_q, src_k = (qo, ko) if inplace else (q, k)
-            OPS._cuda_emulated(
-                src_q, src_k, qo, ko, pos, cs, interleaved, False, num_sms, scalar, 0, list(sec), mil
-            )
-        elif inplace:
-            qo, ko = q.clone(), k.clone()
-            rope_ext.apply_rotary_qk_(qo, ko, pos, cs, **kw)
-        else:
-            qo, ko = rope_ext.apply_rotary_qk(q, k, pos, cs, **kw)
+        qo, ko = (q.clone(), k.clone()) if inplace else (q, k)
+        qo, ko = rotate_qk(backend, qo, ko, pos, cs, inplace=inplace, **kw)
         for x, out in ((q, qo), (k, ko)):
             ref = reference.rotary_hadamard(x.cpu(), pos.cpu(), cs.cpu(), **kw)
             assert_close_to_reference(out.cpu(), ref, float(x.abs().max()))
