@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) torch ninja setuptools wheel
+	$(PIP) torch ninja setuptools wheel build
 	$(PIP) pytest hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format
 	touch $@
 

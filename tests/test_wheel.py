@@ -2,8 +2,9 @@
 
 * Every built library references libtorch only through the stable C ABI (no ``at::`` / ``c10::`` /
   ``torch::`` C++ symbol), and the CPU library links no CUDA library.
-* The wheel ``pip wheel --no-build-isolation .`` builds against the pinned torch (a CUDA build) is a
-  cp310-abi3 wheel without the test-only library; installed into a virtual environment with another torch
+* The wheel ``pip wheel --no-build-isolation .`` (or ``python -m build --wheel --no-isolation``, the same
+  files) builds against the pinned torch (a CUDA build) is a cp310-abi3 wheel without the test-only
+  library; installed into a virtual environment with another torch
   release (``WHEEL_TEST_TORCH``, default the CPU-only ``2.13.0+cpu``), it passes a smoke test there: every
   op against the float64 reference, ``torch.compile(fullgraph=True)``, the cache, and the CUDA kernels
   registered exactly when that torch has CUDA. The environment is kept in the user cache folder
@@ -155,6 +156,19 @@ def test_wheel_runs_under_another_torch_release(tmp_path):
         timeout=1500,
     )
     (wheel,) = dist.glob("rope_ext-*.whl")
+    # The other documented way builds the same wheel.
+    dist_b = tmp_path / "dist-build"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist_b), str(ROOT)],
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=1500,
+    )
+    (wheel_b,) = dist_b.glob("rope_ext-*.whl")
+    assert wheel_b.name == wheel.name
+    assert sorted(zipfile.ZipFile(wheel_b).namelist()) == sorted(zipfile.ZipFile(wheel).namelist())
     assert wheel.name.endswith("-cp310-abi3-linux_x86_64.whl"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
     libs = sorted(n for n in names if n.endswith(".so"))
