@@ -424,17 +424,7 @@ struct Avx512Head : ScalarTable {
 };
 
 inline void rotate_tokens_avx512_body(const RopeParams& p, int64_t begin, int64_t end) {
-  dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
-    // The rotary dims of most models get fully unrolled head loops.
-    switch (p.rotary_dim) {
-      case 64:
-        return rotate_tokens_impl<T, CS, Pos, IL, Avx512Head<64>>(p, begin, end);
-      case 128:
-        return rotate_tokens_impl<T, CS, Pos, IL, Avx512Head<128>>(p, begin, end);
-      default:
-        return rotate_tokens_impl<T, CS, Pos, IL, Avx512Head<0>>(p, begin, end);
-    }
-  });
+  rotate_tokens_unrolled<Avx512Head>(p, begin, end);
 }
 
 }  // namespace host

@@ -207,6 +207,22 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   }
 }
 
+// rotate_tokens_impl with the head type Head<R> of a vector build: the rotary
+// dims of most models (64, 128) get fully unrolled head loops, others Head<0>.
+template <template <int> class Head>
+void rotate_tokens_unrolled(const RopeParams& p, int64_t begin, int64_t end) {
+  dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
+    switch (p.rotary_dim) {
+      case 64:
+        return rotate_tokens_impl<T, CS, Pos, IL, Head<64>>(p, begin, end);
+      case 128:
+        return rotate_tokens_impl<T, CS, Pos, IL, Head<128>>(p, begin, end);
+      default:
+        return rotate_tokens_impl<T, CS, Pos, IL, Head<0>>(p, begin, end);
+    }
+  });
+}
+
 }  // namespace host
 }  // namespace ROPE_ISA
 }  // namespace rope

@@ -165,17 +165,7 @@ struct NeonHead : ScalarTable {
 }  // namespace ROPE_ISA
 
 void cpu::detail::rotate_tokens_neon(const RopeParams& p, int64_t begin, int64_t end) {
-  dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
-    // The rotary dims of most models get fully unrolled head loops.
-    switch (p.rotary_dim) {
-      case 64:
-        return host::rotate_tokens_impl<T, CS, Pos, IL, host::NeonHead<64>>(p, begin, end);
-      case 128:
-        return host::rotate_tokens_impl<T, CS, Pos, IL, host::NeonHead<128>>(p, begin, end);
-      default:
-        return host::rotate_tokens_impl<T, CS, Pos, IL, host::NeonHead<0>>(p, begin, end);
-    }
-  });
+  host::rotate_tokens_unrolled<host::NeonHead>(p, begin, end);
 }
 
 }  // namespace rope
