@@ -73,6 +73,30 @@ void rotary_qk_(const Tensor& q, const std::optional<Tensor>& k, const Tensor& p
                 const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
                 const Sections& mrope_section, bool mrope_interleaved, const Backend& backend);
 
+// The three ops on one backend, as kernels to register (TORCH_BOX(&rotary_on<kCpu>)).
+template <const Backend& B>
+Tensor rotary_on(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved, bool inverse,
+                 int64_t rotary_offset, Sections mrope_section, bool mrope_interleaved) {
+  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+                mrope_interleaved, B);
+}
+
+template <const Backend& B>
+std::tuple<Tensor, Tensor> rotary_qk_on(Tensor q, Tensor k, Tensor positions, Tensor cos_sin,
+                                        bool interleaved, bool inverse, int64_t rotary_offset,
+                                        Sections mrope_section, bool mrope_interleaved) {
+  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+                   mrope_interleaved, B);
+}
+
+template <const Backend& B>
+void rotary_qk_inplace_on(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin,
+                          bool interleaved, bool inverse, int64_t rotary_offset,
+                          Sections mrope_section, bool mrope_interleaved) {
+  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
+             mrope_interleaved, B);
+}
+
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws the exceptions above, naming the argument (q_name,
 // default "q" with k and "x" without); touches no data.

@@ -41,26 +41,6 @@ void launch_cpu(const rope::RopeParams& p, const Tensor&) {
 
 constexpr Backend kCpu{check_positions_cpu, launch_cpu};
 
-Tensor rotary_cpu(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved, bool inverse,
-                  int64_t rotary_offset, Sections mrope_section, bool mrope_interleaved) {
-  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-                mrope_interleaved, kCpu);
-}
-
-std::tuple<Tensor, Tensor> rotary_qk_cpu(Tensor q, Tensor k, Tensor positions, Tensor cos_sin,
-                                         bool interleaved, bool inverse, int64_t rotary_offset,
-                                         Sections mrope_section, bool mrope_interleaved) {
-  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-                   mrope_interleaved, kCpu);
-}
-
-void rotary_qk_inplace_cpu(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin,
-                           bool interleaved, bool inverse, int64_t rotary_offset,
-                           Sections mrope_section, bool mrope_interleaved) {
-  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-             mrope_interleaved, kCpu);
-}
-
 std::string cpu_isa() { return rope::cpu::isa(); }
 bool cpu_isa_supported(std::string name) { return rope::cpu::isa_supported(name.c_str()); }
 bool set_cpu_isa(std::string name) { return rope::cpu::set_isa(name.c_str()); }
@@ -69,9 +49,9 @@ bool set_cpu_isa(std::string name) { return rope::cpu::set_isa(name.c_str()); }
 }  // namespace rope_ext
 
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
-  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_cpu));
-  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_cpu));
-  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_cpu));
+  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_on<rope_ext::kCpu>));
+  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_on<rope_ext::kCpu>));
+  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_on<rope_ext::kCpu>));
 }
 
 // An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.

@@ -45,26 +45,6 @@ void launch_cuda(const rope::RopeParams& p, const Tensor& q) {
 // rope_ext.set_position_checks(True) makes the Python API raise instead.
 constexpr Backend kCuda{nullptr, launch_cuda};
 
-Tensor rotary_cuda(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved, bool inverse,
-                   int64_t rotary_offset, Sections mrope_section, bool mrope_interleaved) {
-  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-                mrope_interleaved, kCuda);
-}
-
-std::tuple<Tensor, Tensor> rotary_qk_cuda(Tensor q, Tensor k, Tensor positions, Tensor cos_sin,
-                                          bool interleaved, bool inverse, int64_t rotary_offset,
-                                          Sections mrope_section, bool mrope_interleaved) {
-  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-                   mrope_interleaved, kCuda);
-}
-
-void rotary_qk_inplace_cuda(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin,
-                            bool interleaved, bool inverse, int64_t rotary_offset,
-                            Sections mrope_section, bool mrope_interleaved) {
-  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-             mrope_interleaved, kCuda);
-}
-
 }  // namespace
 }  // namespace rope_ext
 
@@ -80,7 +60,7 @@ PyMODINIT_FUNC PyInit__C_cuda(void) {
 #endif
 
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
-  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_cuda));
-  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_cuda));
-  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_cuda));
+  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_on<rope_ext::kCuda>));
+  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_on<rope_ext::kCuda>));
+  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_on<rope_ext::kCuda>));
 }
