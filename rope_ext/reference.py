@@ -21,6 +21,8 @@ benchmark times, not a float64 reference): :func:`hf_apply_rotary_pos_emb` with 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -102,22 +104,22 @@ def _with_pass(x: Tensor, rotated: Tensor, rotary_dim: int) -> Tensor:
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
 
-def _at_offset(form, x: Tensor, positions, cos_sin, interleaved, inverse, rotary_offset, *mrope) -> Tensor:
-    """``form`` on the features from ``rotary_offset`` on; the ones before it pass through."""
-    x = x.to(torch.float64)
-    sec, il = mrope
-    tail = form(
-        x[..., rotary_offset:],
-        positions,
-        cos_sin,
-        interleaved=interleaved,
-        inverse=inverse,
-        mrope_section=sec,
-        mrope_interleaved=il,
-    )
-    return torch.cat([x[..., :rotary_offset], tail], dim=-1)
+def _at_offset(form):
+    """``form`` with its ``rotary_offset`` applied: the features before it pass through (as float64), the
+    rest go to ``form``, which then sees ``rotary_offset=0``."""
+
+    @functools.wraps(form)
+    def with_offset(x: Tensor, positions: Tensor, cos_sin: Tensor, *, rotary_offset: int = 0, **kw) -> Tensor:
+        if not rotary_offset:
+            return form(x, positions, cos_sin, **kw)
+        x = x.to(torch.float64)
+        tail = form(x[..., rotary_offset:], positions, cos_sin, **kw)
+        return torch.cat([x[..., :rotary_offset], tail], dim=-1)
+
+    return with_offset
 
 
+@_at_offset
 def rotary_matrix(
     x: Tensor,
     positions: Tensor,
@@ -130,18 +132,6 @@ def rotary_matrix(
     mrope_interleaved: bool = False,
 ) -> Tensor:
     """Rotation-matrix form: ``x' = x R(p)`` with ``R(p)`` block-diagonal 2x2 rotations (RoFormer)."""
-    if rotary_offset:
-        return _at_offset(
-            rotary_matrix,
-            x,
-            positions,
-            cos_sin,
-            interleaved,
-            inverse,
-            rotary_offset,
-            mrope_section,
-            mrope_interleaved,
-        )
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse, mrope_section, mrope_interleaved)
@@ -157,6 +147,7 @@ def rotary_matrix(
     return _with_pass(x, rotated, r)
 
 
+@_at_offset
 def rotary_complex(
     x: Tensor,
     positions: Tensor,
@@ -169,18 +160,6 @@ def rotary_complex(
     mrope_interleaved: bool = False,
 ) -> Tensor:
     """Complex form: pair ``j`` is ``z_j = x1 + i x2`` and ``z_j' = z_j e^{i a_j}`` (Meta's Llama)."""
-    if rotary_offset:
-        return _at_offset(
-            rotary_complex,
-            x,
-            positions,
-            cos_sin,
-            interleaved,
-            inverse,
-            rotary_offset,
-            mrope_section,
-            mrope_interleaved,
-        )
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse, mrope_section, mrope_interleaved)
@@ -197,6 +176,7 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
+@_at_offset
 def rotary_hadamard(
     x: Tensor,
     positions: Tensor,
@@ -209,18 +189,6 @@ def rotary_hadamard(
     mrope_interleaved: bool = False,
 ) -> Tensor:
     """Element-wise form: ``x' = x * cos + rot(x) * sin``, ``rot`` swapping each pair with a sign."""
-    if rotary_offset:
-        return _at_offset(
-            rotary_hadamard,
-            x,
-            positions,
-            cos_sin,
-            interleaved,
-            inverse,
-            rotary_offset,
-            mrope_section,
-            mrope_interleaved,
-        )
     x = x.to(torch.float64)
     r = cos_sin.shape[-1]
     c, s = _cos_sin(x, positions, cos_sin, inverse, mrope_section, mrope_interleaved)
