@@ -6,7 +6,11 @@ and ``_strategies``); conftest.py only holds pytest fixtures, hooks and the hypo
 
 from __future__ import annotations
 
+import glob
 import importlib.util
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +84,23 @@ __all__ = [
     "skip_without_emulation",
     "ulp",
 ]
+
+
+def cmake_build(source: Path, build: Path) -> None:
+    """Configures and builds the CMake project ``source`` into ``build`` against this torch's libtorch.
+
+    No GPU needed. A CUDA build of libtorch links nvrtc, which pip-installed CUDA keeps beside torch (not in
+    the toolkit), and looks for the toolkit at configure time (CUDA_HOME, default /usr/local/cuda).
+    """
+    prefix = f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"
+    configure = ["cmake", "-S", str(source), "-B", str(build), prefix]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    nvrtc = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so.*"))
+    if torch.version.cuda and nvrtc:
+        configure.append(f"-DCUDA_nvrtc_LIBRARY={os.path.realpath(sorted(nvrtc)[0])}")
+    env = dict(os.environ)
+    if not env.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
+        env["CUDA_HOME"] = "/usr/local/cuda"
+    for cmd in (configure, ["cmake", "--build", str(build), "-j2"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import glob
-import os
 import shutil
 import subprocess
 import sys
@@ -11,30 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import cmake_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 def test_cmake_build_loads_and_matches(tmp_path):
-    args = [
-        "cmake",
-        "-S",
-        str(ROOT),
-        "-B",
-        str(tmp_path),
-        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-    ]
-    # A CUDA build of libtorch links nvrtc; pip-installed CUDA keeps it beside torch, not in the toolkit.
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    nvrtc = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so.*"))
-    if torch.version.cuda and nvrtc:
-        args.append(f"-DCUDA_nvrtc_LIBRARY={os.path.realpath(sorted(nvrtc)[0])}")
-    env = dict(os.environ)
-    if not env.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
-        env["CUDA_HOME"] = "/usr/local/cuda"
-    subprocess.run(args, check=True, capture_output=True, env=env)
-    subprocess.run(["cmake", "--build", str(tmp_path), "-j2"], check=True, capture_output=True, env=env)
+    cmake_build(ROOT, tmp_path)
     lib = tmp_path / "librope_ext_ops.so"
     assert lib.exists()
     # A fresh interpreter without the Python extension: the library alone registers the ops.

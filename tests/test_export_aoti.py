@@ -30,8 +30,6 @@ runner runs the same compiled model and is held to the same tolerance.
 
 from __future__ import annotations
 
-import glob
-import os
 import shutil
 import subprocess
 import sys
@@ -41,6 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import cmake_build
 from torch import nn
 from torch.export import Dim
 
@@ -313,26 +312,7 @@ def aoti_runner(tmp_path_factory) -> tuple[Path, Path]:
     """Builds tests/native/aoti_runner (the runner and the op library, against libtorch) once; returns the
     paths of the runner and of librope_ext_ops.so."""
     build = tmp_path_factory.mktemp("aoti_runner")
-    configure = [
-        "cmake",
-        "-S",
-        str(ROOT / "tests" / "native" / "aoti_runner"),
-        "-B",
-        str(build),
-        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-    ]
-    # As test_cmake.py: a CUDA build of libtorch links nvrtc, which pip-installed CUDA keeps beside torch,
-    # and probes the toolkit at configure time (no GPU needed).
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    nvrtc = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so.*"))
-    if torch.version.cuda and nvrtc:
-        configure.append(f"-DCUDA_nvrtc_LIBRARY={os.path.realpath(sorted(nvrtc)[0])}")
-    env = dict(os.environ)
-    if not env.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
-        env["CUDA_HOME"] = "/usr/local/cuda"
-    for cmd in (configure, ["cmake", "--build", str(build), "-j2"]):
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    cmake_build(ROOT / "tests" / "native" / "aoti_runner", build)
     return build / "aoti_runner", build / "rope_ext" / "librope_ext_ops.so"
 
 
