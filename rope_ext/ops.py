@@ -103,6 +103,10 @@ _TYPE_ERRORS = (
     " must have the dtype of ",
     " must be float32 or the dtype of ",
     " must be an int32 or int64 tensor",
+    " must be an int64 tensor",
+    " or be float8_e4m3fn / float8_e5m2",
+    " must be a float32 tensor of one element",
+    " must have the dtype of key_cache",
 )
 
 

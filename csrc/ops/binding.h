@@ -55,6 +55,11 @@ struct Backend {
   void (*check_positions)(const rope::RopeParams& p);
   // Rotate every token of p.
   void (*launch)(const rope::RopeParams& p, const Tensor& q);
+  // RoPE + KV-cache write of every token of p (slots checked when
+  // check_positions is set: such a backend reads host memory).
+  void (*launch_cache)(const rope::CacheParams& p, const Tensor& q);
+  // QK-RMSNorm + rotary of every token of p.
+  void (*launch_norm)(const rope::NormParams& p, const Tensor& q);
 };
 
 // rope_ext::rotary
@@ -96,6 +101,75 @@ void rotary_qk_inplace_on(Tensor q, std::optional<Tensor> k, Tensor positions, T
   rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
              mrope_interleaved, B);
 }
+
+// rope_ext::rotary_qk_cache_ (RoPE + KV-cache write)
+void rotary_qk_cache_(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
+                      const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+                      const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
+                      const std::optional<Tensor>& q_scale, bool interleaved,
+                      const std::string& layout, int64_t rotary_offset,
+                      const Sections& mrope_section, bool mrope_interleaved,
+                      const Backend& backend);
+
+// rope_ext::qk_norm_rotary_ (in place) and rope_ext::qk_norm_rotary
+void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                     const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
+                     double eps, bool interleaved, double weight_offset, int64_t rotary_offset,
+                     const Sections& mrope_section, bool mrope_interleaved, const Backend& backend);
+std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                                          const Tensor& k_weight, const Tensor& positions,
+                                          const Tensor& cos_sin, double eps, bool interleaved,
+                                          double weight_offset, int64_t rotary_offset,
+                                          const Sections& mrope_section, bool mrope_interleaved,
+                                          const Backend& backend);
+
+template <const Backend& B>
+void rotary_qk_cache_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
+                        Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+                        std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
+                        std::optional<Tensor> q_out, std::optional<Tensor> q_scale,
+                        bool interleaved, std::string layout, int64_t rotary_offset,
+                        Sections mrope_section, bool mrope_interleaved) {
+  rotary_qk_cache_(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
+                   v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section,
+                   mrope_interleaved, B);
+}
+
+template <const Backend& B>
+void qk_norm_rotary_inplace_on(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight,
+                               Tensor positions, Tensor cos_sin, double eps, bool interleaved,
+                               double weight_offset, int64_t rotary_offset, Sections mrope_section,
+                               bool mrope_interleaved) {
+  qk_norm_rotary_(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved, weight_offset,
+                  rotary_offset, mrope_section, mrope_interleaved, B);
+}
+
+template <const Backend& B>
+std::tuple<Tensor, Tensor> qk_norm_rotary_on(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight,
+                                             Tensor positions, Tensor cos_sin, double eps,
+                                             bool interleaved, double weight_offset,
+                                             int64_t rotary_offset, Sections mrope_section,
+                                             bool mrope_interleaved) {
+  return qk_norm_rotary(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved,
+                        weight_offset, rotary_offset, mrope_section, mrope_interleaved, B);
+}
+
+// Checks the arguments of the serving ops and returns their kernel parameters
+// (no data touched). q_out / k_out of make_norm_params may be q / k.
+rope::CacheParams make_cache_params(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
+    const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
+    const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
+    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
+rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Tensor& k,
+                                  const Tensor& k_out, const Tensor& q_weight,
+                                  const Tensor& k_weight, const Tensor& positions,
+                                  const Tensor& cos_sin, double eps, bool interleaved,
+                                  double weight_offset, int64_t rotary_offset,
+                                  const Sections& mrope_section, bool mrope_interleaved);
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws the exceptions above, naming the argument (q_name,

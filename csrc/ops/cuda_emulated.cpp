@@ -6,7 +6,7 @@
 
 #include <torch/csrc/stable/library.h>
 
-#include "../rope/cuda_kernel.cuh"
+#include "../rope/serving_cuda.cuh"
 
 namespace rope_ext {
 
@@ -42,6 +42,74 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   return {l.grid_x, l.grid_y, l.block_x, l.block_y, l.vectorized ? 1 : 0};
 }
 
+std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor positions,
+                                         Tensor cos_sin, Tensor key_cache, Tensor value_cache,
+                                         Tensor slot_mapping, std::optional<Tensor> k_scale,
+                                         std::optional<Tensor> v_scale, std::optional<Tensor> q_out,
+                                         std::optional<Tensor> q_scale, bool interleaved,
+                                         std::string layout, int64_t num_sms, bool force_scalar,
+                                         int64_t rotary_offset, Sections mrope_section,
+                                         bool mrope_interleaved) {
+  const auto cp = make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache,
+                                    slot_mapping, k_scale, v_scale, q_out, q_scale, interleaved,
+                                    layout, rotary_offset, mrope_section, mrope_interleaved);
+  const auto l = rope::gpu::plan_cache_launch(cp, num_sms, force_scalar);
+  const auto& g = l.grid;
+  if (rope::gpu::cache_has_work(cp, l)) {
+    rope::gpu::dispatch_cuda(
+        cp.rope, g.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+          for (int64_t by = 0; by < g.grid_y; ++by)
+            for (int64_t bx = 0; bx < g.grid_x; ++bx)
+              for (int64_t ty = 0; ty < g.block_y; ++ty)
+                for (int64_t tx = 0; tx < g.block_x; ++tx)
+                  rope::gpu::cache_thread<T, CS, Pos, IL, Vec>(
+                      cp, l, {bx, by, tx, ty, g.block_x, g.block_y, g.grid_x, g.grid_y});
+        });
+  }
+  return {g.grid_x, g.grid_y, g.block_x, g.block_y, g.vectorized ? 1 : 0};
+}
+
+std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor k_out,
+                                        Tensor q_weight, Tensor k_weight, Tensor positions,
+                                        Tensor cos_sin, double eps, bool interleaved,
+                                        double weight_offset, int64_t num_sms, bool force_scalar,
+                                        int64_t rotary_offset, Sections mrope_section,
+                                        bool mrope_interleaved) {
+  using ValueError = std::invalid_argument;
+  ROPE_CHECK(ValueError, sizes_of(q_out) == sizes_of(q) && q_out.scalar_type() == q.scalar_type(),
+             "q_out must match q in shape and dtype");
+  ROPE_CHECK(ValueError, sizes_of(k_out) == sizes_of(k) && k_out.scalar_type() == k.scalar_type(),
+             "k_out must match k in shape and dtype");
+  const auto np =
+      make_norm_params(q, q_out, k, k_out, q_weight, k_weight, positions, cos_sin, eps, interleaved,
+                       weight_offset, rotary_offset, mrope_section, mrope_interleaved);
+  check_writable(q_out, &k_out);
+  const auto l = rope::gpu::plan_norm_launch(np, num_sms, force_scalar);
+  if (l.n_items > 0) {
+    rope::gpu::dispatch_cuda(
+        np.rope, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+          using A = typename rope::Acc<T>::type;
+          // Each warp of each block in turn, phase by phase, as the GPU's
+          // __syncwarp() orders them.
+          for (int64_t bx = 0; bx < l.grid_x; ++bx)
+            for (int64_t w = 0; w < rope::gpu::kNormWarps; ++w)
+              for (int64_t item = bx * rope::gpu::kNormWarps + w; item < l.n_items;
+                   item += l.grid_x * rope::gpu::kNormWarps) {
+                rope::gpu::NormLane<A> lanes[rope::gpu::kWarp];
+                A partial[rope::gpu::kWarp];
+                for (int lane = 0; lane < rope::gpu::kWarp; ++lane)
+                  partial[lane] =
+                      rope::gpu::norm_phase1<T, CS, Pos, IL, Vec>(np, l, item, lane, lanes[lane]);
+                const A total = rope::gpu::warp_total(partial);
+                for (int lane = 0; lane < rope::gpu::kWarp; ++lane)
+                  rope::gpu::norm_phase2<T, CS, Pos, IL, Vec>(np, l, item, lane, lanes[lane],
+                                                              total);
+              }
+        });
+  }
+  return {l.grid_x, rope::gpu::kNormWarps, l.vectorized ? 1 : 0};
+}
+
 }  // namespace rope_ext
 
 #if defined(ROPE_EXT_PYTHON_MODULE)
@@ -64,8 +132,25 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
       "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
       "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar, "
       "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
+  // The CUDA body of rotary_qk_cache_ (same arguments, then num_sms and
+  // force_scalar) run on the CPU. Returns [grid_x, grid_y, block_x, block_y, vectorized].
+  m.def(
+      "_cuda_emulated_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+      "Tensor? k_scale, Tensor? v_scale, Tensor(e!)? q_out, Tensor? q_scale, bool interleaved, "
+      "str layout, int num_sms, bool force_scalar, int rotary_offset=0, "
+      "int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
+  // The CUDA body of qk_norm_rotary into q_out / k_out (which may be q / k).
+  // Returns [grid_x, warps per block, vectorized].
+  m.def(
+      "_cuda_emulated_norm(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, "
+      "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps, "
+      "bool interleaved, float weight_offset, int num_sms, bool force_scalar, "
+      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("_cuda_emulated", TORCH_BOX(&rope_ext::cuda_emulated));
+  m.impl("_cuda_emulated_cache", TORCH_BOX(&rope_ext::cuda_emulated_cache));
+  m.impl("_cuda_emulated_norm", TORCH_BOX(&rope_ext::cuda_emulated_norm));
 }

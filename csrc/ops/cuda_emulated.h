@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "binding.h"
@@ -20,5 +21,24 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
                                    bool interleaved, bool inverse, int64_t num_sms,
                                    bool force_scalar, int64_t rotary_offset, Sections mrope_section,
                                    bool mrope_interleaved);
+
+// rope_ext::_cuda_emulated_cache: the CUDA body of rotary_qk_cache_ (slots
+// outside the cache skipped, no position check, as on the GPU).
+std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor positions,
+                                         Tensor cos_sin, Tensor key_cache, Tensor value_cache,
+                                         Tensor slot_mapping, std::optional<Tensor> k_scale,
+                                         std::optional<Tensor> v_scale, std::optional<Tensor> q_out,
+                                         std::optional<Tensor> q_scale, bool interleaved,
+                                         std::string layout, int64_t num_sms, bool force_scalar,
+                                         int64_t rotary_offset, Sections mrope_section,
+                                         bool mrope_interleaved);
+
+// rope_ext::_cuda_emulated_norm: the CUDA body of qk_norm_rotary, warp by warp.
+std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor k_out,
+                                        Tensor q_weight, Tensor k_weight, Tensor positions,
+                                        Tensor cos_sin, double eps, bool interleaved,
+                                        double weight_offset, int64_t num_sms, bool force_scalar,
+                                        int64_t rotary_offset, Sections mrope_section,
+                                        bool mrope_interleaved);
 
 }  // namespace rope_ext

@@ -39,7 +39,34 @@ void launch_cpu(const rope::RopeParams& p, const Tensor&) {
   });
 }
 
-constexpr Backend kCpu{check_positions_cpu, launch_cpu};
+// The serving ops: one parallel pass over tokens, split as launch_cpu does.
+template <class F>
+void over_tokens(int64_t n_tokens, int64_t bytes_per_token, F&& f) {
+  const int64_t grain =
+      std::max<int64_t>(1, kMinBytesPerChunk / std::max<int64_t>(1, bytes_per_token));
+  if (n_tokens <= grain) return f(int64_t(0), n_tokens);
+  torch::stable::parallel_for(0, n_tokens, grain,
+                              [&](int64_t begin, int64_t end) { f(begin, end); });
+}
+
+void launch_cache_cpu(const rope::CacheParams& p, const Tensor&) {
+  const int64_t es = rope::dtype_size(p.rope.x_dtype);
+  const int64_t per_token =
+      es * (2 * (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim +
+            2 * p.n_kv_heads * (p.rope.head_dim + p.v_dim));
+  over_tokens(p.rope.n_tokens, per_token, [&](int64_t begin, int64_t end) {
+    rope::cpu::rotate_and_cache_tokens(p, begin, end);
+  });
+}
+
+void launch_norm_cpu(const rope::NormParams& p, const Tensor&) {
+  const int64_t per_token = 2 * rope::dtype_size(p.rope.x_dtype) *
+                            (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim;
+  over_tokens(p.rope.n_tokens, per_token,
+              [&](int64_t begin, int64_t end) { rope::cpu::norm_rotate_tokens(p, begin, end); });
+}
+
+constexpr Backend kCpu{check_positions_cpu, launch_cpu, launch_cache_cpu, launch_norm_cpu};
 
 std::string cpu_isa() { return rope::cpu::isa(); }
 bool cpu_isa_supported(std::string name) { return rope::cpu::isa_supported(name.c_str()); }
@@ -52,6 +79,9 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("rotary", TORCH_BOX(&rope_ext::rotary_on<rope_ext::kCpu>));
   m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_on<rope_ext::kCpu>));
   m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_on<rope_ext::kCpu>));
+  m.impl("rotary_qk_cache_", TORCH_BOX(&rope_ext::rotary_qk_cache_on<rope_ext::kCpu>));
+  m.impl("qk_norm_rotary_", TORCH_BOX(&rope_ext::qk_norm_rotary_inplace_on<rope_ext::kCpu>));
+  m.impl("qk_norm_rotary", TORCH_BOX(&rope_ext::qk_norm_rotary_on<rope_ext::kCpu>));
 }
 
 // An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.

@@ -31,19 +31,37 @@ int sm_count(int device) {
   return n;
 }
 
-void launch_cuda(const rope::RopeParams& p, const Tensor& q) {
-  const int device = q.get_device_index();
-  const torch::stable::accelerator::DeviceGuard guard(device);
+cudaStream_t current_stream(int device) {
   void* stream = nullptr;
   if (aoti_torch_get_current_cuda_stream(device, &stream) != AOTI_TORCH_SUCCESS)
     throw std::runtime_error("rope_ext: could not get the current CUDA stream");
-  cuda_check(rope::gpu::launch(p, sm_count(device), static_cast<cudaStream_t>(stream)));
+  return static_cast<cudaStream_t>(stream);
+}
+
+void launch_cuda(const rope::RopeParams& p, const Tensor& q) {
+  const int device = q.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  cuda_check(rope::gpu::launch(p, sm_count(device), current_stream(device)));
 }
 
 // Positions are not inspected on the host (that would synchronise): a
 // position outside the cache yields NaN in that token's rotated features, and
 // rope_ext.set_position_checks(True) makes the Python API raise instead.
-constexpr Backend kCuda{nullptr, launch_cuda};
+void launch_cache_cuda(const rope::CacheParams& p, const Tensor& q) {
+  const int device = q.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  cuda_check(rope::gpu::launch_cache(p, sm_count(device), current_stream(device)));
+}
+
+void launch_norm_cuda(const rope::NormParams& p, const Tensor& q) {
+  const int device = q.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  cuda_check(rope::gpu::launch_norm(p, sm_count(device), current_stream(device)));
+}
+
+// Slots are not inspected on the host either: a slot outside the cache is
+// skipped (never written).
+constexpr Backend kCuda{nullptr, launch_cuda, launch_cache_cuda, launch_norm_cuda};
 
 }  // namespace
 }  // namespace rope_ext
@@ -63,4 +81,7 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
   m.impl("rotary", TORCH_BOX(&rope_ext::rotary_on<rope_ext::kCuda>));
   m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_on<rope_ext::kCuda>));
   m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_on<rope_ext::kCuda>));
+  m.impl("rotary_qk_cache_", TORCH_BOX(&rope_ext::rotary_qk_cache_on<rope_ext::kCuda>));
+  m.impl("qk_norm_rotary_", TORCH_BOX(&rope_ext::qk_norm_rotary_inplace_on<rope_ext::kCuda>));
+  m.impl("qk_norm_rotary", TORCH_BOX(&rope_ext::qk_norm_rotary_on<rope_ext::kCuda>));
 }

@@ -34,6 +34,30 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "rotary_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
       "bool interleaved=False, bool inverse=False, int rotary_offset=0, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+  // RoPE + KV-cache write: q [T, Hq, D] and k [T, Hk, D] rotated in place (q
+  // into q_out instead when given, of q's dtype or fp8 with q_scale), then k
+  // and v [T, Hk, Dv] stored at slot_mapping[t] of the paged caches ("NHD"
+  // [blocks, block_size, Hk, D] or "HND" [blocks, Hk, block_size, D]), of q's
+  // dtype or fp8 with k_scale / v_scale. positions broadcast to [T, Hq] ([T, 1]).
+  m.def(
+      "rotary_qk_cache_(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, "
+      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor? k_scale=None, "
+      "Tensor? v_scale=None, Tensor(e!)? q_out=None, Tensor? q_scale=None, "
+      "bool interleaved=False, str layout=\"NHD\", int rotary_offset=0, "
+      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+  // QK-RMSNorm + rotary: each head of q [T, Hq, D] and k [T, Hk, D] RMS-
+  // normalised over D (float32), scaled by weight + weight_offset, rounded to
+  // the dtype, then rotated; in place, or into new tensors.
+  m.def(
+      "qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, "
+      "Tensor positions, Tensor cos_sin, float eps=1e-06, bool interleaved=False, "
+      "float weight_offset=0., int rotary_offset=0, int[]? mrope_section=None, "
+      "bool mrope_interleaved=False) -> ()");
+  m.def(
+      "qk_norm_rotary(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, "
+      "Tensor cos_sin, float eps=1e-06, bool interleaved=False, float weight_offset=0., "
+      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) "
+      "-> (Tensor, Tensor)");
   // The CPU kernel's instruction sets (csrc/rope/cpu.h), implemented in
   // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
   // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.

@@ -225,6 +225,29 @@ inline bool can_vectorize(const RopeParams& p) {
          (p.cs_row_stride * cs_size) % chunk == 0 && (h * cs_size) % chunk == 0;
 }
 
+// The grid and block of a (lanes x head-rows) tile per token: sets grid_x,
+// grid_y, block_x and block_y of l.
+inline void shape_grid(Launch& l, int64_t lanes, int64_t heads, int64_t n_tokens, int64_t num_sms) {
+  l.block_x = lanes < 256 ? lanes : 256;
+  // About 128 threads per block, each walking a few heads with its cos/sin.
+  const int64_t rows = l.block_x < 128 ? 128 / l.block_x : 1;
+  l.block_y = heads < 1 ? 1 : (rows < heads ? rows : heads);
+  // Prefill: as many blocks as fit on the GPU at once (16 blocks of <= 128
+  // threads per SM), each striding over tokens.
+  const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
+  l.grid_x = n_tokens < resident ? n_tokens : resident;
+  l.grid_y = 1;
+  const int64_t target = 4 * num_sms;  // blocks that fill the GPU
+  if (n_tokens < target && heads > 0) {
+    // Few tokens (decode): spread the heads of each token over blocks.
+    const int64_t per_token = (target + n_tokens - 1) / n_tokens;
+    const int64_t rows_needed = (heads + per_token - 1) / per_token;
+    if (rows_needed < l.block_y) l.block_y = rows_needed;
+    l.grid_y = (heads + l.block_y - 1) / l.block_y;
+    if (l.grid_y > 65535) l.grid_y = 65535;
+  }
+}
+
 // The grid and block a launch on a GPU with `num_sms` SMs uses (the launcher
 // and the host emulation both take it from here). force_scalar disables the
 // 16-byte vector path (tests).
@@ -238,24 +261,7 @@ inline Launch plan_launch(const RopeParams& p, int64_t num_sms, bool force_scala
   const int64_t lanes = l.n_rot_units + l.n_pass_units;
   int64_t heads = 0;
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
-  l.block_x = lanes < 256 ? lanes : 256;
-  // About 128 threads per block, each walking a few heads with its cos/sin.
-  const int64_t rows = l.block_x < 128 ? 128 / l.block_x : 1;
-  l.block_y = heads < 1 ? 1 : (rows < heads ? rows : heads);
-  // Prefill: as many blocks as fit on the GPU at once (16 blocks of <= 128
-  // threads per SM), each striding over tokens.
-  const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
-  l.grid_x = p.n_tokens < resident ? p.n_tokens : resident;
-  l.grid_y = 1;
-  const int64_t target = 4 * num_sms;  // blocks that fill the GPU
-  if (p.n_tokens < target && heads > 0) {
-    // Few tokens (decode): spread the heads of each token over blocks.
-    const int64_t per_token = (target + p.n_tokens - 1) / p.n_tokens;
-    const int64_t rows_needed = (heads + per_token - 1) / per_token;
-    if (rows_needed < l.block_y) l.block_y = rows_needed;
-    l.grid_y = (heads + l.block_y - 1) / l.block_y;
-    if (l.grid_y > 65535) l.grid_y = 65535;
-  }
+  shape_grid(l, lanes, heads, p.n_tokens, num_sms);
   return l;
 }
 
@@ -264,6 +270,47 @@ inline bool has_work(const RopeParams& p, const Launch& l) {
   int64_t heads = 0;
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
   return p.n_tokens > 0 && heads > 0 && l.n_rot_units + l.n_pass_units > 0;
+}
+
+// cos and sin (sin negated when p.inverse) of pairs [j0, j0 + P) for the
+// token whose positions start at offset pos_off; NaN for a position outside
+// the cache (never read).
+template <class CS, class Pos, bool Vectorized, class A, int P>
+ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&cv)[P],
+                          A (&sv)[P]) {
+  const int64_t h = p.rotary_dim / 2;
+  const CS* cs = static_cast<const CS*>(p.cos_sin);
+  if (is_mrope(p)) {
+    // MRoPE: each pair from the row of its section's position.
+    ROPE_UNROLL
+    for (int k = 0; k < P; ++k) {
+      const int j = int(j0) + k;
+      const int64_t pos = load_position<Pos>(p, pos_off + mrope_row(p, j) * p.pos_section_stride);
+      if (position_in_cache(p, pos)) {
+        cv[k] = A(to_acc(cs[pos * p.cs_row_stride + j]));
+        const A s = A(to_acc(cs[pos * p.cs_row_stride + h + j]));
+        sv[k] = p.inverse ? -s : s;
+      } else {
+        cv[k] = sv[k] = A(NAN);
+      }
+    }
+    return;
+  }
+  const int64_t pos = load_position<Pos>(p, pos_off);
+  if (position_in_cache(p, pos)) {
+    CS cr[P], sr[P];
+    load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
+    load_n<Vectorized>(cs + pos * p.cs_row_stride + h + j0, sr);
+    ROPE_UNROLL
+    for (int k = 0; k < P; ++k) {
+      cv[k] = A(to_acc(cr[k]));
+      sv[k] = p.inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
+    }
+  } else {
+    // Never read outside the cache: this token's rotated features are NaN.
+    ROPE_UNROLL
+    for (int k = 0; k < P; ++k) cv[k] = sv[k] = A(NAN);
+  }
 }
 
 // The body of one CUDA thread.
@@ -276,7 +323,6 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
   const int64_t n_lanes = l.n_rot_units + l.n_pass_units;
   const int64_t q_heads = p.t[0].n_heads;
   const int64_t heads = q_heads + (p.n_tensors > 1 ? p.t[1].n_heads : 0);
-  const CS* cs = static_cast<const CS*>(p.cos_sin);
 
   for (int64_t token = c.bx; token < p.n_tokens; token += c.gdx) {
     const TokenOffsets o = token_offsets(p, token);
@@ -284,37 +330,7 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
       const bool rot = lane < l.n_rot_units;
       const int64_t j0 = lane * P;  // first pair of this unit
       A cv[P] = {}, sv[P] = {};
-      if (rot && is_mrope(p)) {
-        // MRoPE: each pair from the row of its section's position.
-        ROPE_UNROLL
-        for (int k = 0; k < P; ++k) {
-          const int j = int(j0) + k;
-          const int64_t pos = load_position<Pos>(p, o.pos + mrope_row(p, j) * p.pos_section_stride);
-          if (position_in_cache(p, pos)) {
-            cv[k] = A(to_acc(cs[pos * p.cs_row_stride + j]));
-            const A s = A(to_acc(cs[pos * p.cs_row_stride + h + j]));
-            sv[k] = p.inverse ? -s : s;
-          } else {
-            cv[k] = sv[k] = A(NAN);
-          }
-        }
-      } else if (rot) {
-        const int64_t pos = load_position<Pos>(p, o.pos);
-        if (position_in_cache(p, pos)) {
-          CS cr[P], sr[P];
-          load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
-          load_n<Vectorized>(cs + pos * p.cs_row_stride + h + j0, sr);
-          ROPE_UNROLL
-          for (int k = 0; k < P; ++k) {
-            cv[k] = A(to_acc(cr[k]));
-            sv[k] = p.inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
-          }
-        } else {
-          // Never read outside the cache: this token's rotated features are NaN.
-          ROPE_UNROLL
-          for (int k = 0; k < P; ++k) cv[k] = sv[k] = A(NAN);
-        }
-      }
+      if (rot) unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
       for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {
         const int ti = head < q_heads ? 0 : 1;
         int64_t hin, hout;

@@ -93,3 +93,62 @@ struct RopeParams {
 };
 
 }  // namespace rope
+
+namespace rope {
+
+// ---------------------------------------------------------------------------
+// Serving ops (kernels in serving_cpu.cpp and serving_cuda.cuh).
+
+// Largest head_dim of the fused QK-RMSNorm + rotary (one warp holds a head in
+// registers on the GPU: at most 16 rotated and 16 pass-through features per lane).
+constexpr int kMaxNormHeadDim = 512;
+
+// Storage of a KV cache or of q_out: the activation dtype, or fp8.
+enum class Fp8 : int32_t { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
+
+// A paged cache [num_blocks, block_size, heads, dim] ("NHD") or [num_blocks,
+// heads, block_size, dim] ("HND"), any strides but a contiguous last dim: slot
+// s is block s / block_size, row s % block_size.
+struct PagedCache {
+  void* data;
+  int64_t block_stride, row_stride, head_stride;  // elements
+  const float* scale;                             // fp8: one float32 (device memory)
+};
+
+// RoPE + KV-cache write (rope_ext::rotary_qk_cache_). q [T, Hq, D] and k [T,
+// Hk, D] are rotated as rope (t[0] = q, t[1] = k in place; q may go to a
+// separate output of its dtype), then rotated k and v [T, Hk, Dv] are stored
+// in the caches at slot_mapping[t] for t < n_slots, slot >= 0.
+struct CacheParams {
+  RopeParams rope;  // n_tensors == 2; one token dim (or none for T <= 1)
+  // q_out in fp8 (q_fp8 != kNone): q is read only and its rotation, rounded to
+  // q's dtype then quantized with q_scale, goes to q8 [T, Hq, D].
+  Fp8 q_fp8;
+  void* q8;
+  int64_t q8_tok_stride, q8_head_stride;
+  const float* q_scale;
+  // v [T, Hk, Dv], read only.
+  const void* v;
+  int64_t v_tok_stride, v_head_stride;
+  int v_dim;
+  int64_t n_kv_heads;
+  PagedCache key_cache, value_cache;
+  Fp8 cache_fp8;
+  int64_t block_size, n_cache_slots;  // n_cache_slots = num_blocks * block_size
+  const int64_t* slots;
+  int64_t n_slots;  // slot_mapping.numel() <= T
+};
+
+// QK-RMSNorm + rotary (rope_ext::qk_norm_rotary): each head of rope.t[0] (q)
+// and rope.t[1] (k) is RMS-normalised over head_dim in float32, scaled by
+// weight + weight_offset, rounded to the activation dtype, then rotated.
+// rope.inverse is false and rope.rot_offset 0.
+struct NormParams {
+  RopeParams rope;
+  const void* weight[2];  // [head_dim] each, contiguous
+  DType w_dtype[2];
+  float eps;
+  float weight_offset;
+};
+
+}  // namespace rope

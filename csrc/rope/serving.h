@@ -1,0 +1,106 @@
+// Per-element math of the serving ops, shared by the CPU and CUDA kernels:
+// the saturating scaled fp8 conversion of the KV cache, the slot addressing
+// of a paged cache, and the RMSNorm scale. Torch-free; every function inline
+// (see rope.h for ROPE_ISA).
+#pragma once
+
+#include "rope.h"
+
+namespace rope {
+inline namespace ROPE_ISA {
+
+// float -> float8_e4m3fn bits, round to nearest even, as c10's
+// fp8e4m3fn_from_fp32_value (|x| >= 480 and NaN give NaN 0x7f; the callers
+// saturate first).
+ROPE_HD uint8_t float_to_e4m3(float f) {
+  uint32_t u = float_to_bits(f);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t r;
+  if (u >= (1087u << 20)) {
+    r = 0x7f;
+  } else if (u < (121u << 23)) {
+    // Below 2^-6 (the smallest normal): the float addition rounds to the subnormal grid.
+    const uint32_t denorm = 141u << 23;
+    r = uint8_t(float_to_bits(bits_to_float(u) + bits_to_float(denorm)) - denorm);
+  } else {
+    const uint32_t odd = (u >> 20) & 1u;
+    u += (uint32_t(7 - 127) << 23) + 0x7ffffu + odd;
+    r = uint8_t(u >> 20);
+  }
+  return uint8_t(r | uint8_t(sign >> 24));
+}
+
+// float -> float8_e5m2 bits, round to nearest even, as c10's fp8e5m2_from_fp32_value.
+ROPE_HD uint8_t float_to_e5m2(float f) {
+  uint32_t u = float_to_bits(f);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t r;
+  if (u >= (143u << 23)) {
+    r = u > 0x7f800000u ? 0x7f : 0x7c;
+  } else if (u < (113u << 23)) {
+    const uint32_t denorm = 134u << 23;
+    r = uint8_t(float_to_bits(bits_to_float(u) + bits_to_float(denorm)) - denorm);
+  } else {
+    const uint32_t odd = (u >> 21) & 1u;
+    u += (uint32_t(15 - 127) << 23) + 0xfffffu + odd;
+    r = uint8_t(u >> 21);
+  }
+  return uint8_t(r | uint8_t(sign >> 24));
+}
+
+// The finite maximum of an fp8 type.
+ROPE_HD float fp8_max(Fp8 t) { return t == Fp8::kE4M3 ? 448.0f : 57344.0f; }
+
+// Stored fp8 bits of x: x / scale in float32, saturated to the type's finite
+// range (infinities too), rounded to nearest even; NaN stays NaN.
+ROPE_HD uint8_t quantize_fp8(float x, float scale, Fp8 t) {
+  float y = x / scale;
+  const float m = fp8_max(t);
+  y = y > m ? m : (y < -m ? -m : y);  // NaN compares false: kept
+  return t == Fp8::kE4M3 ? float_to_e4m3(y) : float_to_e5m2(y);
+}
+
+// Element offset of (slot, head) in a paged cache; slot in [0, n_cache_slots).
+ROPE_HD int64_t cache_offset(const PagedCache& c, int64_t block_size, int64_t slot, int64_t head) {
+  return (slot / block_size) * c.block_stride + (slot % block_size) * c.row_stride +
+         head * c.head_stride;
+}
+
+// The cache slot of token t, or -1 when nothing is written for it (slot -1,
+// t past slot_mapping, or a slot outside the cache).
+ROPE_HD int64_t token_slot(const CacheParams& p, int64_t t) {
+  if (t >= p.n_slots) return -1;
+  const int64_t s = p.slots[t];
+  return s >= 0 && s < p.n_cache_slots ? s : -1;
+}
+
+// One element of a weight vector, as A (float, or double for float64 inputs).
+template <class A>
+ROPE_HD A load_weight(const void* w, DType t, int64_t i) {
+  switch (t) {
+    case DType::kFloat32:
+      return A(static_cast<const float*>(w)[i]);
+    case DType::kFloat64:
+      return A(static_cast<const double*>(w)[i]);
+    case DType::kFloat16:
+      return A(half_to_float(static_cast<const Half*>(w)[i].bits));
+    default:
+      return A(bf16_to_float(static_cast<const BFloat16*>(w)[i].bits));
+  }
+}
+
+// 1 / sqrt(sum_sq / head_dim + eps): the RMSNorm scale of a head whose squares
+// sum to sum_sq (IEEE division and square root on the host and the device).
+template <class A>
+ROPE_HD A rms_inverse(A sum_sq, int head_dim, float eps) {
+#if defined(__CUDA_ARCH__)
+  return A(1) / sqrt(sum_sq / A(head_dim) + A(eps));
+#else
+  return A(1) / std::sqrt(sum_sq / A(head_dim) + A(eps));
+#endif
+}
+
+}  // namespace ROPE_ISA
+}  // namespace rope

@@ -1,0 +1,203 @@
+// CPU kernels of the serving ops (cpu.h). Each works on a few tokens at a
+// time so that what one step writes is still in cache for the next: the
+// rotation is the vectorized kernel of rotate_tokens (the instruction set in
+// use), the cache stores are row copies (or fp8 quantization), and the RMSNorm
+// loops are written in blocks of 16 lanes that the compiler vectorizes.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu.h"
+#include "serving.h"
+
+namespace rope {
+namespace cpu {
+namespace {
+
+// Tokens per step: small enough that a step's q, k and v stay in L1/L2.
+constexpr int64_t kStepTokens = 8;
+constexpr int kLanes = 16;
+
+int64_t pos_size(const RopeParams& p) { return p.pos_int64 ? 8 : 4; }
+
+// p restricted to tokens [begin, end), renumbered from 0 (p has at most one token dim).
+RopeParams slice_tokens(const RopeParams& p, int64_t begin, int64_t end) {
+  RopeParams s = p;
+  if (p.n_tok_dims == 0) return s;  // a single token
+  const int64_t es = dtype_size(p.x_dtype);
+  s.positions = static_cast<const char*>(p.positions) + begin * p.pos_stride[0] * pos_size(p);
+  for (int t = 0; t < p.n_tensors; ++t) {
+    s.t[t].in = static_cast<const char*>(p.t[t].in) + begin * p.t[t].in_tok_stride[0] * es;
+    s.t[t].out = static_cast<char*>(p.t[t].out) + begin * p.t[t].out_tok_stride[0] * es;
+  }
+  s.tok_size[0] = end - begin;
+  s.n_tokens = end - begin;
+  return s;
+}
+
+// Element offset of (token, head) of rope tensor t (input side).
+int64_t row_offset(const RopeParams& p, int t, int64_t token, int64_t head) {
+  int64_t hin, hout;
+  head_offsets(p.t[t], head, hin, hout);
+  return token_offsets(p, token).in[t] + hin;
+}
+
+template <class T>
+void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale, Fp8 t) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
+}
+
+// Stores one row of n values of T into a cache row (a copy, or fp8).
+template <class T>
+void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t slot, int64_t head,
+               int64_t n, float scale) {
+  const int64_t off = cache_offset(c, cp.block_size, slot, head);
+  if (cp.cache_fp8 != Fp8::kNone)
+    quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8);
+  else
+    std::memcpy(static_cast<T*>(c.data) + off, x, size_t(n) * sizeof(T));
+}
+
+template <class T>
+void cache_step(const CacheParams& cp, int64_t begin, int64_t end) {
+  const RopeParams& p = cp.rope;
+  const RopeParams r = slice_tokens(p, begin, end);
+  const int64_t n = end - begin, hq = p.t[0].n_heads, D = p.head_dim;
+  if (cp.q_fp8 == Fp8::kNone) {
+    rotate_tokens(r, 0, n);
+  } else {
+    RopeParams rk = r;  // k in place
+    rk.n_tensors = 1;
+    rk.t[0] = r.t[1];
+    rotate_tokens(rk, 0, n);
+    // q: rotated into a row-major scratch of q's dtype, then quantized.
+    thread_local std::vector<T> scratch;
+    scratch.resize(size_t(n * hq * D));
+    RopeParams rq = r;
+    rq.n_tensors = 1;
+    RotTensor& t = rq.t[0];
+    t.out = scratch.data();
+    t.copy_pass = true;
+    if (rq.n_tok_dims == 1) t.out_tok_stride[0] = hq * D;
+    if (t.n_head_dims == 1) t.out_head_stride[0] = D;
+    rotate_tokens(rq, 0, n);
+    const float scale = cp.q_scale ? *cp.q_scale : 1.0f;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < hq; ++h)
+        quantize_row(
+            scratch.data() + (i * hq + h) * D,
+            static_cast<uint8_t*>(cp.q8) + (begin + i) * cp.q8_tok_stride + h * cp.q8_head_stride,
+            D, scale, cp.q_fp8);
+  }
+  const bool fp8 = cp.cache_fp8 != Fp8::kNone;
+  const float k_scale = fp8 && cp.key_cache.scale ? *cp.key_cache.scale : 1.0f;
+  const float v_scale = fp8 && cp.value_cache.scale ? *cp.value_cache.scale : 1.0f;
+  for (int64_t token = begin; token < end; ++token) {
+    const int64_t slot = token_slot(cp, token);
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < cp.n_kv_heads; ++h) {
+      const T* k = static_cast<const T*>(p.t[1].in) + row_offset(p, 1, token, h);
+      store_row(k, cp, cp.key_cache, slot, h, D, k_scale);
+      const T* v = static_cast<const T*>(cp.v) + token * cp.v_tok_stride + h * cp.v_head_stride;
+      store_row(v, cp, cp.value_cache, slot, h, cp.v_dim, v_scale);
+    }
+  }
+}
+
+// Sum of squares of x[0, n) in float (double for float64), 16 partial sums
+// added in a fixed order: the same result with or without vector units.
+template <class T>
+typename Acc<T>::type sum_squares(const T* x, int64_t n) {
+  using A = typename Acc<T>::type;
+  A part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) {
+      const A v = to_acc(x[i + k]);
+      part[k] += v * v;
+    }
+  for (int k = 0; i + k < n; ++k) {
+    const A v = to_acc(x[i + k]);
+    part[k] += v * v;
+  }
+  A s = 0;
+  for (int k = 0; k < kLanes; ++k) s += part[k];
+  return s;
+}
+
+template <class T>
+void norm_step(const NormParams& np, const typename Acc<T>::type* const w[2], int64_t begin,
+               int64_t end) {
+  using A = typename Acc<T>::type;
+  const RopeParams& p = np.rope;
+  const int64_t D = p.head_dim;
+  for (int64_t token = begin; token < end; ++token) {
+    const TokenOffsets o = token_offsets(p, token);
+    for (int t = 0; t < 2; ++t) {
+      for (int64_t h = 0; h < p.t[t].n_heads; ++h) {
+        int64_t hin, hout;
+        head_offsets(p.t[t], h, hin, hout);
+        const T* x = static_cast<const T*>(p.t[t].in) + o.in[t] + hin;
+        T* y = static_cast<T*>(p.t[t].out) + o.out[t] + hout;
+        const A rms = rms_inverse<A>(sum_squares(x, D), p.head_dim, np.eps);
+        const A* wt = w[t];
+        for (int64_t i = 0; i < D; ++i) y[i] = Store<T>::from(to_acc(x[i]) * rms * wt[i]);
+      }
+    }
+  }
+  // Rotate the normalised heads in place.
+  RopeParams r = slice_tokens(p, begin, end);
+  for (int t = 0; t < 2; ++t) {
+    RotTensor& rt = r.t[t];
+    rt.in = rt.out;
+    rt.copy_pass = false;
+    for (int d = 0; d < r.n_tok_dims; ++d) rt.in_tok_stride[d] = rt.out_tok_stride[d];
+    for (int d = 0; d < rt.n_head_dims; ++d) rt.in_head_stride[d] = rt.out_head_stride[d];
+  }
+  rotate_tokens(r, 0, end - begin);
+}
+
+template <class T>
+void norm_tokens(const NormParams& np, int64_t begin, int64_t end) {
+  using A = typename Acc<T>::type;
+  // weight + weight_offset, once per call.
+  A wq[kMaxNormHeadDim], wk[kMaxNormHeadDim];
+  A* w[2] = {wq, wk};
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < np.rope.head_dim; ++i)
+      w[t][i] = load_weight<A>(np.weight[t], np.w_dtype[t], i) + A(np.weight_offset);
+  const A* cw[2] = {wq, wk};
+  for (int64_t b = begin; b < end; b += kStepTokens)
+    norm_step<T>(np, cw, b, std::min(end, b + kStepTokens));
+}
+
+template <class F>
+void dispatch_x(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat64:
+      return f(double{});
+    case DType::kFloat16:
+      return f(Half{});
+    case DType::kBFloat16:
+      return f(BFloat16{});
+  }
+}
+
+}  // namespace
+
+void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end) {
+  dispatch_x(cp.rope.x_dtype, [&](auto x) {
+    using T = decltype(x);
+    for (int64_t b = begin; b < end; b += kStepTokens)
+      cache_step<T>(cp, b, std::min(end, b + kStepTokens));
+  });
+}
+
+void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end) {
+  dispatch_x(np.rope.x_dtype, [&](auto x) { norm_tokens<decltype(x)>(np, begin, end); });
+}
+
+}  // namespace cpu
+}  // namespace rope

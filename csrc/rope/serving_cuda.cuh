@@ -1,0 +1,381 @@
+// CUDA bodies of the serving ops, torch-free, in the style of cuda_kernel.cuh:
+// a launch plan chosen on the host and host-device functions that one thread
+// (or one warp, in phases) runs. serving_launch.cu wraps them in __global__
+// kernels; csrc/ops/cuda_emulated.cpp runs them on the CPU over the same grid.
+//
+// RoPE + KV-cache write (cache_thread): the rotary tile of rotary_thread (a
+// block per token, lanes over units of a head, rows over heads) with the rows
+// running over the q heads, then the k heads, then the v heads. A k lane
+// stores its rotated unit both in k and in the key cache; a v lane copies its
+// unit of v to the value cache. One launch for q, k and v.
+//
+// QK-RMSNorm + rotary (norm_phase1 / norm_phase2): one warp per (token, head).
+// Phase 1: each lane loads its units of the head into registers and sums
+// their squares. The 32 partial sums meet in shared memory and every lane
+// adds them in the same fixed order (warp_total), so the GPU and the host
+// emulation compute the same norm. Phase 2: each lane normalises, scales,
+// rounds to the activation dtype, rotates and stores its units.
+#pragma once
+
+#include "cuda_kernel.cuh"
+#include "serving.h"
+
+namespace rope {
+namespace gpu {
+
+// ---------------------------------------------------------------------------
+// RoPE + KV-cache write.
+
+struct CacheLaunch {
+  Launch grid;        // the tile (grid_x/y, block_x/y), n_rot_units, n_pass_units, vectorized
+  int64_t n_v_units;  // units of vec_width features of a v head
+};
+
+// Whether the 16-byte path is aligned for every tensor the cache op touches.
+inline bool can_vectorize_cache(const CacheParams& cp) {
+  RopeParams p = cp.rope;
+  p.t[1].copy_pass = true;  // k's pass-through features are read for the cache
+  if (!can_vectorize(p)) return false;
+  const int64_t V = 16 / dtype_size(p.x_dtype);
+  if (p.n_tokens == 0) return true;
+  if (cp.v_dim % V != 0) return false;
+  if (cp.n_kv_heads > 0 && cp.v_dim > 0) {
+    if (reinterpret_cast<uintptr_t>(cp.v) % 16 || cp.v_tok_stride % V || cp.v_head_stride % V)
+      return false;
+  }
+  if (cp.cache_fp8 == Fp8::kNone) {
+    for (const PagedCache* c : {&cp.key_cache, &cp.value_cache})
+      if (reinterpret_cast<uintptr_t>(c->data) % 16 || c->block_stride % V || c->row_stride % V ||
+          c->head_stride % V)
+        return false;
+  }
+  return true;
+}
+
+inline CacheLaunch plan_cache_launch(const CacheParams& cp, int64_t num_sms,
+                                     bool force_scalar = false) {
+  const RopeParams& p = cp.rope;
+  CacheLaunch l{};
+  l.grid.vectorized = !force_scalar && can_vectorize_cache(cp);
+  const int64_t v = l.grid.vectorized ? 16 / dtype_size(p.x_dtype) : 1;
+  const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
+  l.grid.n_rot_units = (p.rotary_dim / 2) / ppu;
+  l.grid.n_pass_units = (p.head_dim - p.rotary_dim) / v;
+  l.n_v_units = cp.v_dim / v;
+  const int64_t qk_lanes = l.grid.n_rot_units + l.grid.n_pass_units;
+  const int64_t lanes = qk_lanes > l.n_v_units ? qk_lanes : l.n_v_units;
+  shape_grid(l.grid, lanes, p.t[0].n_heads + 2 * cp.n_kv_heads, p.n_tokens, num_sms);
+  return l;
+}
+
+inline bool cache_has_work(const CacheParams& cp, const CacheLaunch& l) {
+  return cp.rope.n_tokens > 0 && l.grid.block_x > 0 && cp.rope.t[0].n_heads + cp.n_kv_heads > 0;
+}
+
+// Stores N values of T as fp8 bits (element by element).
+template <class T, int N>
+ROPE_HD void store_fp8(uint8_t* dst, const T (&x)[N], float scale, Fp8 t) {
+  ROPE_UNROLL
+  for (int i = 0; i < N; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
+}
+
+// Stores N values of (slot, head) at feature f of a cache of T or fp8.
+template <bool Vectorized, class T, int N>
+ROPE_HD void store_cache(const CacheParams& cp, const PagedCache& c, float scale, int64_t slot,
+                         int64_t head, int64_t f, const T (&x)[N]) {
+  const int64_t off = cache_offset(c, cp.block_size, slot, head) + f;
+  if (cp.cache_fp8 != Fp8::kNone)
+    store_fp8(static_cast<uint8_t*>(c.data) + off, x, scale, cp.cache_fp8);
+  else
+    store_n<Vectorized>(static_cast<T*>(c.data) + off, x);
+}
+
+ROPE_HD float scale_or_one(const float* s) { return s ? *s : 1.0f; }
+
+template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
+ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Coord& c) {
+  using A = typename Acc<T>::type;
+  const RopeParams& p = cp.rope;
+  const Launch& l = cl.grid;
+  constexpr int V = vec_width<T, Vectorized>();
+  constexpr int P = pairs_per_unit<T, Interleaved, Vectorized>();
+  const int64_t h = p.rotary_dim / 2;
+  const int64_t n_qk = l.n_rot_units + l.n_pass_units;
+  const int64_t n_lanes = n_qk > cl.n_v_units ? n_qk : cl.n_v_units;
+  const int64_t hq = p.t[0].n_heads, hk = cp.n_kv_heads;
+  const int64_t heads = hq + 2 * hk;
+  const bool q8 = cp.q_fp8 != Fp8::kNone;
+  const bool fp8_cache = cp.cache_fp8 != Fp8::kNone;
+  const float q_scale = q8 ? scale_or_one(cp.q_scale) : 1.0f;
+  const float k_scale = fp8_cache ? scale_or_one(cp.key_cache.scale) : 1.0f;
+  const float v_scale = fp8_cache ? scale_or_one(cp.value_cache.scale) : 1.0f;
+
+  for (int64_t token = c.bx; token < p.n_tokens; token += c.gdx) {
+    const TokenOffsets o = token_offsets(p, token);
+    const int64_t slot = token_slot(cp, token);
+    for (int64_t lane = c.tx; lane < n_lanes; lane += c.bdx) {
+      const bool rot = lane < l.n_rot_units;
+      const int64_t j0 = lane * P;  // first pair of this unit
+      A cv[P] = {}, sv[P] = {};
+      if (rot) unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
+      for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {
+        if (head >= hq + hk) {
+          // v: copied to the value cache.
+          if (slot < 0 || lane >= cl.n_v_units) continue;
+          const int64_t hv = head - hq - hk;
+          const T* src = static_cast<const T*>(cp.v) + token * cp.v_tok_stride +
+                         hv * cp.v_head_stride + lane * V;
+          T x[V];
+          load_n<Vectorized>(src, x);
+          store_cache<Vectorized>(cp, cp.value_cache, v_scale, slot, hv, lane * V, x);
+          continue;
+        }
+        if (lane >= n_qk) continue;
+        const int ti = head < hq ? 0 : 1;
+        const int64_t hh = ti ? head - hq : head;
+        int64_t hin, hout;
+        head_offsets(p.t[ti], hh, hin, hout);
+        const T* in = static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin;
+        T* out = static_cast<T*>(p.t[ti].out) + o.out[ti] + hout;
+        const bool to_q8 = ti == 0 && q8;
+        uint8_t* q8_out =
+            to_q8 ? static_cast<uint8_t*>(cp.q8) + token * cp.q8_tok_stride + hh * cp.q8_head_stride
+                  : nullptr;
+        const bool to_cache = ti == 1 && slot >= 0;
+        if (!rot) {
+          // Pass-through features: [0, rot_offset), then [rot_offset + rotary_dim, head_dim).
+          const int64_t f = (lane - l.n_rot_units) * V;
+          const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
+          if (!(to_q8 || to_cache || p.t[ti].copy_pass)) continue;  // in place, nothing to store
+          T x[V];
+          load_n<Vectorized>(in + e, x);
+          if (to_q8)
+            store_fp8(q8_out + e, x, q_scale, cp.q_fp8);
+          else if (p.t[ti].copy_pass)
+            store_n<Vectorized>(out + e, x);
+          if (to_cache) store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, e, x);
+          continue;
+        }
+        const int64_t r0 = p.rot_offset;
+        if (Interleaved) {
+          constexpr bool VecPairs = Vectorized && (2 * P == V);
+          T x[2 * P], y[2 * P];
+          load_n<VecPairs>(in + r0 + 2 * j0, x);
+          ROPE_UNROLL
+          for (int k = 0; k < P; ++k) {
+            A y1, y2;
+            rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
+            y[2 * k] = Store<T>::from(y1);
+            y[2 * k + 1] = Store<T>::from(y2);
+          }
+          if (to_q8)
+            store_fp8(q8_out + r0 + 2 * j0, y, q_scale, cp.q_fp8);
+          else
+            store_n<VecPairs>(out + r0 + 2 * j0, y);
+          if (to_cache) store_cache<VecPairs>(cp, cp.key_cache, k_scale, slot, hh, r0 + 2 * j0, y);
+        } else {
+          T x1[P], x2[P], y1[P], y2[P];
+          load_n<Vectorized>(in + r0 + j0, x1);
+          load_n<Vectorized>(in + r0 + h + j0, x2);
+          ROPE_UNROLL
+          for (int k = 0; k < P; ++k) {
+            A a, b;
+            rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
+            y1[k] = Store<T>::from(a);
+            y2[k] = Store<T>::from(b);
+          }
+          if (to_q8) {
+            store_fp8(q8_out + r0 + j0, y1, q_scale, cp.q_fp8);
+            store_fp8(q8_out + r0 + h + j0, y2, q_scale, cp.q_fp8);
+          } else {
+            store_n<Vectorized>(out + r0 + j0, y1);
+            store_n<Vectorized>(out + r0 + h + j0, y2);
+          }
+          if (to_cache) {
+            store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, r0 + j0, y1);
+            store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, r0 + h + j0, y2);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// QK-RMSNorm + rotary: one warp (32 lanes) per (token, head).
+
+constexpr int kWarp = 32;
+constexpr int kNormWarps = 4;  // warps per block
+// Features one lane holds (kMaxNormHeadDim / 32 rotated plus as many pass-through).
+constexpr int kLaneRot = kMaxNormHeadDim / kWarp;
+constexpr int kLanePass = kMaxNormHeadDim / kWarp;
+
+struct NormLaunch {
+  int64_t grid_x;   // blocks of kWarp x kNormWarps threads, striding over items
+  int64_t n_items;  // n_tokens * (q heads + k heads)
+  int64_t n_rot_units, n_pass_units;
+  bool vectorized;
+};
+
+inline NormLaunch plan_norm_launch(const NormParams& np, int64_t num_sms,
+                                   bool force_scalar = false) {
+  RopeParams p = np.rope;
+  p.t[0].copy_pass = p.t[1].copy_pass = true;  // pass-through features are normalised and stored
+  NormLaunch l{};
+  l.vectorized = !force_scalar && can_vectorize(p);
+  const int64_t v = l.vectorized ? 16 / dtype_size(p.x_dtype) : 1;
+  const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
+  l.n_rot_units = (p.rotary_dim / 2) / ppu;
+  l.n_pass_units = (p.head_dim - p.rotary_dim) / v;
+  l.n_items = p.n_tokens * (p.t[0].n_heads + p.t[1].n_heads);
+  const int64_t blocks = (l.n_items + kNormWarps - 1) / kNormWarps;
+  const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
+  l.grid_x = blocks < resident ? blocks : resident;
+  return l;
+}
+
+// What one lane keeps between the phases: its units of the head, as read.
+template <class A>
+struct NormLane {
+  A rot[kLaneRot];
+  A pass[kLanePass];
+};
+
+// Where (token, head) `item` lives: the tensor (0 q, 1 k), its input and output.
+template <class T>
+struct NormItem {
+  int ti;
+  int64_t pos;
+  const T* in;
+  T* out;
+};
+
+template <class T>
+ROPE_HD NormItem<T> norm_item(const NormParams& np, int64_t item) {
+  const RopeParams& p = np.rope;
+  const int64_t per_token = p.t[0].n_heads + p.t[1].n_heads;
+  const int64_t token = item / per_token, head = item % per_token;
+  const int ti = head < p.t[0].n_heads ? 0 : 1;
+  const TokenOffsets o = token_offsets(p, token);
+  int64_t hin, hout;
+  head_offsets(p.t[ti], ti ? head - p.t[0].n_heads : head, hin, hout);
+  return {ti, o.pos, static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin,
+          static_cast<T*>(p.t[ti].out) + o.out[ti] + hout};
+}
+
+// Phase 1 of lane `lane` on `item`: loads the lane's units into s and returns
+// the sum of their squares.
+template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
+ROPE_HD typename Acc<T>::type norm_phase1(const NormParams& np, const NormLaunch& l, int64_t item,
+                                          int lane, NormLane<typename Acc<T>::type>& s) {
+  using A = typename Acc<T>::type;
+  const RopeParams& p = np.rope;
+  constexpr int V = vec_width<T, Vectorized>();
+  constexpr int P = pairs_per_unit<T, Interleaved, Vectorized>();
+  const int64_t h = p.rotary_dim / 2;
+  const NormItem<T> it = norm_item<T>(np, item);
+  A sum = 0;
+  int n = 0;
+  for (int64_t u = lane; u < l.n_rot_units; u += kWarp, n += 2 * P) {
+    const int64_t j0 = u * P;
+    T x[2 * P];
+    if (Interleaved) {
+      load_n<Vectorized && (2 * P == V)>(it.in + p.rot_offset + 2 * j0, x);
+    } else {
+      T x1[P], x2[P];
+      load_n<Vectorized>(it.in + p.rot_offset + j0, x1);
+      load_n<Vectorized>(it.in + p.rot_offset + h + j0, x2);
+      ROPE_UNROLL
+      for (int k = 0; k < P; ++k) x[k] = x1[k], x[P + k] = x2[k];
+    }
+    ROPE_UNROLL
+    for (int k = 0; k < 2 * P; ++k) {
+      s.rot[n + k] = to_acc(x[k]);
+      sum += s.rot[n + k] * s.rot[n + k];
+    }
+  }
+  n = 0;
+  for (int64_t u = lane; u < l.n_pass_units; u += kWarp, n += V) {
+    const int64_t f = u * V;
+    const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
+    T x[V];
+    load_n<Vectorized>(it.in + e, x);
+    ROPE_UNROLL
+    for (int k = 0; k < V; ++k) {
+      s.pass[n + k] = to_acc(x[k]);
+      sum += s.pass[n + k] * s.pass[n + k];
+    }
+  }
+  return sum;
+}
+
+// The sum of the warp's 32 partial sums, in a fixed order.
+template <class A>
+ROPE_HD A warp_total(const A* partial) {
+  A t = 0;
+  ROPE_UNROLL
+  for (int i = 0; i < kWarp; ++i) t += partial[i];
+  return t;
+}
+
+// x * rms * (w[f] + weight_offset), rounded to T (the norm's output), as A.
+template <class T, class A>
+ROPE_HD A normed(const NormParams& np, int ti, A x, A rms, int64_t f) {
+  const A w = load_weight<A>(np.weight[ti], np.w_dtype[ti], f) + A(np.weight_offset);
+  return A(to_acc(Store<T>::from(x * rms * w)));
+}
+
+// Phase 2 of lane `lane` on `item`, given the head's sum of squares.
+template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
+ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item, int lane,
+                         const NormLane<typename Acc<T>::type>& s, typename Acc<T>::type total) {
+  using A = typename Acc<T>::type;
+  const RopeParams& p = np.rope;
+  constexpr int V = vec_width<T, Vectorized>();
+  constexpr int P = pairs_per_unit<T, Interleaved, Vectorized>();
+  const int64_t h = p.rotary_dim / 2;
+  const NormItem<T> it = norm_item<T>(np, item);
+  const A rms = rms_inverse<A>(total, p.head_dim, np.eps);
+  const int64_t r0 = p.rot_offset;
+  int n = 0;
+  for (int64_t u = lane; u < l.n_rot_units; u += kWarp, n += 2 * P) {
+    const int64_t j0 = u * P;
+    A cv[P], sv[P];
+    unit_cos_sin<CS, Pos, Vectorized>(p, it.pos, j0, cv, sv);
+    T y[2 * P];
+    ROPE_UNROLL
+    for (int k = 0; k < P; ++k) {
+      // Features of pair j0 + k: (2j, 2j + 1) interleaved, (j, j + h) half-split.
+      const int i1 = Interleaved ? 2 * k : k, i2 = Interleaved ? 2 * k + 1 : P + k;
+      const int64_t f1 = Interleaved ? r0 + 2 * (j0 + k) : r0 + j0 + k;
+      const int64_t f2 = Interleaved ? f1 + 1 : f1 + h;
+      A y1, y2;
+      rotate_pair<A>(normed<T>(np, it.ti, s.rot[n + i1], rms, f1),
+                     normed<T>(np, it.ti, s.rot[n + i2], rms, f2), cv[k], sv[k], y1, y2);
+      y[i1] = Store<T>::from(y1);
+      y[i2] = Store<T>::from(y2);
+    }
+    if (Interleaved) {
+      store_n<Vectorized && (2 * P == V)>(it.out + r0 + 2 * j0, y);
+    } else {
+      T y1[P], y2[P];
+      ROPE_UNROLL
+      for (int k = 0; k < P; ++k) y1[k] = y[k], y2[k] = y[P + k];
+      store_n<Vectorized>(it.out + r0 + j0, y1);
+      store_n<Vectorized>(it.out + r0 + h + j0, y2);
+    }
+  }
+  n = 0;
+  for (int64_t u = lane; u < l.n_pass_units; u += kWarp, n += V) {
+    const int64_t f = u * V;
+    const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
+    T y[V];
+    ROPE_UNROLL
+    for (int k = 0; k < V; ++k)
+      y[k] = Store<T>::from(normed<T>(np, it.ti, s.pass[n + k], rms, e + k));
+    store_n<Vectorized>(it.out + e, y);
+  }
+}
+
+}  // namespace gpu
+}  // namespace rope
