@@ -10,6 +10,15 @@ mesh dim, an op accepts:
   broadcasts there (a ``[T, 1]`` positions tensor with q sharded on heads). MRoPE's leading section dim of
   3 is never sharded. ``cos_sin`` is replicated.
 
+The serving ops:
+
+* ``qk_norm_rotary`` / ``qk_norm_rotary_`` (the norm runs over the last dim, which is never sharded): as
+  ``rotary_qk`` / ``rotary_qk_``, with the norm weights replicated;
+* ``rotary_qk_cache_`` (a paged cache is indexed by global slots, so tokens are never split): everything
+  replicated, or q, k, v sharded on heads (tensor parallel) with both caches sharded on their head dim
+  (dim 2 for ``"NHD"``, 1 for ``"HND"``) and q_out like q; positions, cos_sin, slot_mapping and the
+  scales replicated.
+
 Anything else (the last dim sharded, ``Partial`` placements, q / k / positions sharded inconsistently)
 matches none of these, and DTensor redistributes the inputs to the cheapest one that does, so the result
 is always the single-device result. An in-place call (``rotary_qk_``) keeps q's and k's placements and
@@ -80,6 +89,39 @@ def register_sharding_rules() -> bool:
             ([], [p, None if k is None else p, pp, R, *none])
             for p, pp in _placements(q, positions, _mrope(rest, kwargs, 3))
         ]
+
+    def norm_inputs(p, pp, n_rest):
+        return [p, p, R, R, pp, R, *([None] * n_rest)]
+
+    @register_sharding(ops.qk_norm_rotary.default)
+    def _qk_norm_rotary(q, k, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
+        return [
+            ([p, p], norm_inputs(p, pp, len(rest)))
+            for p, pp in _placements(q, positions, _mrope(rest, kwargs, 4))
+        ]
+
+    @register_sharding(ops.qk_norm_rotary_.default)
+    def _qk_norm_rotary_inplace(q, k, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
+        return [
+            ([], norm_inputs(p, pp, len(rest)))
+            for p, pp in _placements(q, positions, _mrope(rest, kwargs, 4))
+        ]
+
+    @register_sharding(ops.rotary_qk_cache_.default)
+    def _rotary_qk_cache(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, *rest, **kwargs):
+        from torch.distributed.tensor import Shard
+
+        # rest: k_scale, v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section, ...
+        layout = rest[5] if len(rest) > 5 else kwargs.get("layout", "NHD")
+        cache_heads = 2 if layout == "NHD" else 1
+
+        def inputs(x, c):
+            opt = [None if t is None else R for t in rest[:4]]
+            if len(rest) > 2 and rest[2] is not None:
+                opt[2] = x  # q_out, placed like q
+            return [x, x, x, R, R, c, c, R, *opt, *([None] * max(0, len(rest) - 4))]
+
+        return [([], inputs(R, R)), ([], inputs(Shard(1), Shard(cache_heads)))]
 
     _registered = True
     return True

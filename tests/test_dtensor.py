@@ -180,6 +180,61 @@ def _context_parallel(rank, world_size, lengths):
     return torch.equal(out, full)
 
 
+def _serving_ops(rank, world_size):
+    """The serving ops on DTensors: QK-norm + rotary sharded on heads or tokens, the KV-cache write on
+    heads (caches sharded on their head dim); each equal to the single-device result, placements kept."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import rope_ext
+    from rope_ext import reference
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    R = Replicate()
+    g = torch.Generator().manual_seed(2)
+    T, Hq, Hk, D = 8, 4, 2, 32
+    q = torch.randn(T, Hq, D, generator=g).to(DEVICE)
+    k = torch.randn(T, Hk, D, generator=g).to(DEVICE)
+    v = torch.randn(T, Hk, D, generator=g).to(DEVICE)
+    qw, kw = (torch.randn(D, generator=g).to(DEVICE) for _ in range(2))
+    pos = torch.randint(0, 64, (T,), generator=g).to(DEVICE)
+    cs = reference.cos_sin_table(64, D).float().to(DEVICE)
+
+    def d(t, pl):
+        return distribute_tensor(t, mesh, [pl])
+
+    want = rope_ext.apply_qk_norm_rotary(q, k, qw, kw, pos, cs)
+    for qk_pl, pos_pl in ((Shard(1), R), (Shard(0), Shard(0)), (R, R)):
+        dq, dk = d(q, qk_pl), d(k, qk_pl)
+        args = (d(qw, R), d(kw, R), d(pos, pos_pl), d(cs, R))
+        oq, ok = rope_ext.apply_qk_norm_rotary(dq, dk, *args)
+        assert tuple(oq.placements) == (qk_pl,) and torch.equal(oq.full_tensor(), want[0])
+        assert torch.equal(ok.full_tensor(), want[1])
+        torch.ops.rope_ext.qk_norm_rotary_(dq, dk, args[0], args[1], args[2].unsqueeze(-1), args[3])
+        assert tuple(dq.placements) == (qk_pl,) and torch.equal(dq.full_tensor(), want[0])
+
+    slots = torch.randperm(4 * 16, generator=g)[:T].to(DEVICE)
+    for layout, heads_dim in (("NHD", 2), ("HND", 1)):
+        shape = (4, 16, Hk, D) if layout == "NHD" else (4, Hk, 16, D)
+        kc, vc = torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)
+        q1, k1, kc1, vc1 = q.clone(), k.clone(), kc.clone(), vc.clone()
+        rope_ext.apply_rotary_qk_and_cache_(q1, k1, v, pos, cs, kc1, vc1, slots, layout=layout)
+        for pl, cache_pl in ((Shard(1), Shard(heads_dim)), (R, R)):
+            dq, dk, dv = d(q, pl), d(k, pl), d(v, pl)
+            dkc, dvc = d(kc, cache_pl), d(vc, cache_pl)
+            rope_ext.apply_rotary_qk_and_cache_(
+                dq, dk, dv, d(pos, R), d(cs, R), dkc, dvc, d(slots, R), layout=layout
+            )
+            assert tuple(dkc.placements) == (cache_pl,)
+            assert torch.equal(dq.full_tensor(), q1) and torch.equal(dk.full_tensor(), k1)
+            assert torch.equal(dkc.full_tensor(), kc1) and torch.equal(dvc.full_tensor(), vc1)
+    return True
+
+
+@pytest.mark.slow
+def test_serving_ops_on_two_ranks():
+    assert run_ranks(_serving_ops, 2, timeout=240) == [True, True]
+
+
 @pytest.mark.slow
 def test_placements_on_two_ranks():
     assert run_ranks(_placements_1d, 2, timeout=240) == [True, True]
@@ -209,7 +264,7 @@ def test_rules_are_registered_on_import():
     import rope_ext  # noqa: F401
 
     strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-    for op in ("rotary", "rotary_qk", "rotary_qk_"):
+    for op in ("rotary", "rotary_qk", "rotary_qk_", "qk_norm_rotary", "qk_norm_rotary_", "rotary_qk_cache_"):
         assert getattr(torch.ops.rope_ext, op).default in strategies
 
 

@@ -9,7 +9,10 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
   :data:`SUPPORTED_MODEL_TYPES` are the tested model types, :func:`supported_model_types` those the
   installed transformers passes.
 * :mod:`.vllm` - :func:`rotary_embedding`, vLLM's in-place ``rotary_embedding(positions, query, key,
-  head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors.
+  head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors, and
+  :func:`fused_qk_norm_rope`, vLLM's fused QK RMSNorm + rotary on a packed qkv, same argument order.
+* :mod:`.sglang` - :func:`apply_rope_with_cos_sin_cache_inplace` (sgl_kernel's signature) with the
+  optional fused KV-buffer write of :class:`FusedSetKVBufferArg`.
 * :mod:`.labml` - :class:`RotaryPositionalEmbeddings`, seq-first ``[seq, batch, heads, features]`` module
   rotating the first ``d`` features, half-split pairing (the layout of labml's annotated implementation).
 * :mod:`.meta` - :func:`apply_rotary_emb` / :func:`precompute_freqs_cis`, Meta's Llama complex form
@@ -32,7 +35,8 @@ from .hf import (
 from .labml import RotaryPositionalEmbeddings
 from .meta import apply_rotary_emb, precompute_freqs_cis
 from .torchtune import RotaryPositionalEmbeddings as TorchtuneRotaryPositionalEmbeddings
-from .vllm import rotary_embedding
+from .sglang import FusedSetKVBufferArg, apply_rope_with_cos_sin_cache_inplace
+from .vllm import fused_qk_norm_rope, rotary_embedding
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -42,6 +46,9 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "supported_model_types",
     "rotary_embedding",
+    "fused_qk_norm_rope",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "FusedSetKVBufferArg",
     "RotaryPositionalEmbeddings",
     "apply_rotary_emb",
     "precompute_freqs_cis",

@@ -1,5 +1,6 @@
-"""vLLM adapter: the in-place ``rotary_embedding`` custom op on flattened ``[num_tokens, num_heads *
-head_size]`` tensors (``cos_sin_cache`` in vLLM's layout), computed by rope_ext's in-place op."""
+"""vLLM adapters: the in-place ``rotary_embedding`` custom op on flattened ``[num_tokens, num_heads *
+head_size]`` tensors (``cos_sin_cache`` in vLLM's layout), computed by rope_ext's in-place op, and the
+fused ``fused_qk_norm_rope`` (QK RMSNorm + rotary on a packed qkv) in vLLM's argument order."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from torch import Tensor
 
 from ..ops import apply_rotary_qk_
+from ..serving import apply_qk_norm_rotary_
 
-__all__ = ["rotary_embedding"]
+__all__ = ["fused_qk_norm_rope", "rotary_embedding"]
 
 
 def rotary_embedding(
@@ -63,4 +65,49 @@ def rotary_embedding(
         interleaved=not is_neox,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+    )
+
+
+def fused_qk_norm_rope(
+    qkv: Tensor,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    head_dim: int,
+    eps: float,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos_sin_cache: Tensor,
+    is_neox: bool,
+    position_ids: Tensor,
+) -> None:
+    """vLLM's ``fused_qk_norm_rope`` custom op, same argument order: in place on ``qkv``.
+
+    ``qkv [num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim]``; ``q_weight``,
+    ``k_weight`` ``[head_dim]``; ``cos_sin_cache [max_position, rot_dim]`` (cos half, sin half; a cache in
+    a dtype other than float32 and qkv's is used as float32); ``position_ids [num_tokens]``. Each q and k
+    head is RMS-normalised (``eps``), scaled by its weight, rounded to qkv's dtype, then rotated
+    (half-split pairs if ``is_neox``, else interleaved); the first ``rot_dim`` features rotate. Any
+    ``head_dim <= 512`` (vLLM's CUDA kernel takes 64, 128 and 256). See
+    :func:`rope_ext.apply_qk_norm_rotary_`.
+    """
+    width = (num_heads_q + num_heads_k + num_heads_v) * head_dim
+    if qkv.dim() != 2 or qkv.shape[-1] != width:
+        raise ValueError(
+            f"qkv must be [num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim] = "
+            f"[num_tokens, {width}], got {list(qkv.shape)}"
+        )
+    if cos_sin_cache.dtype not in (torch.float32, qkv.dtype):
+        cos_sin_cache = cos_sin_cache.float()
+    apply_qk_norm_rotary_(
+        qkv,
+        num_heads_q,
+        num_heads_k,
+        num_heads_v,
+        q_weight,
+        k_weight,
+        position_ids,
+        cos_sin_cache,
+        eps=eps,
+        interleaved=not is_neox,
     )
