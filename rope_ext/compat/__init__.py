@@ -34,8 +34,8 @@ from .hf import (
 )
 from .labml import RotaryPositionalEmbeddings
 from .meta import apply_rotary_emb, precompute_freqs_cis
-from .torchtune import RotaryPositionalEmbeddings as TorchtuneRotaryPositionalEmbeddings
 from .sglang import FusedSetKVBufferArg, apply_rope_with_cos_sin_cache_inplace
+from .torchtune import RotaryPositionalEmbeddings as TorchtuneRotaryPositionalEmbeddings
 from .vllm import fused_qk_norm_rope, rotary_embedding
 
 __all__ = [
