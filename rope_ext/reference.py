@@ -384,7 +384,7 @@ def quantize_fp8(x: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor
     ``x`` of any float dtype and shape is converted to float32, divided by ``scale`` (a one-element
     float32 tensor, or a number) in float32, clamped to ``[-FP8_MAX[dtype], FP8_MAX[dtype]]`` (448 for
     ``torch.float8_e4m3fn``, 57344 for ``torch.float8_e5m2``; infinities saturate too) and converted with
-    torch's own ``.to(dtype)`` (round to nearest even). NaN stays NaN. This matches vLLM's
+    torch's own ``.to(dtype)`` (round to nearest even). NaN stays NaN (its sign is not specified). This matches vLLM's
     ``scaled_convert`` (``x / scale`` in float32, then a ``__NV_SATFINITE`` conversion). Returns a
     ``dtype`` tensor of x's shape on x's device.
     """
@@ -394,7 +394,9 @@ def quantize_fp8(x: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor
     if s.numel() != 1:
         raise ValueError(f"scale must have one element, got shape {list(s.shape)}")
     m = FP8_MAX[dtype]
-    return (x.to(torch.float32) / s.reshape(())).clamp(-m, m).to(dtype)
+    y = x.to(torch.float32) / s.reshape(())
+    # clamp, NaN kept
+    return torch.where(y.isnan(), y, y.clamp(-m, m)).to(dtype)
 
 
 def kv_cache_write(

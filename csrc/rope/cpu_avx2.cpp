@@ -25,6 +25,7 @@
 #endif
 
 #include "cpu_kernel.h"
+#include "serving_rows.h"
 
 namespace rope {
 
@@ -289,8 +290,89 @@ struct Avx2Head : ScalarTable {
   }
 };
 
+// ---------------------------------------------------------------------------
+// Row kernels of the serving ops (serving_rows.h): eight lanes at a time, the
+// 16 partial sums as two vectors, remainders element by element.
+
+template <class T>
+void norm_row8(const void* xv, void* yv, const void* wv, int n, float eps) {
+  const T* x = static_cast<const T*>(xv);
+  T* y = static_cast<T*>(yv);
+  const float* w = static_cast<const float*>(wv);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = load8(x + i), b = load8(x + i + 8);
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+  }
+  float part[kNormLanes];
+  _mm256_storeu_ps(part, lo);
+  _mm256_storeu_ps(part + 8, hi);
+  for (int k = 0; i + k < n; ++k) {
+    const float v = to_acc(x[i + k]);
+    part[k] += v * v;
+  }
+  const float r = rms_inverse<float>(lane_total(part), n, eps);
+  const __m256 rms = _mm256_set1_ps(r);
+  for (i = 0; i + 8 <= n; i += 8)
+    store8(y + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), rms), _mm256_loadu_ps(w + i)));
+  for (; i < n; ++i) y[i] = Store<T>::from(to_acc(x[i]) * r * w[i]);
+}
+
+// float8 bits of eight scaled and saturated floats (float_to_e4m3 /
+// float_to_e5m2 of serving.h), in the low byte of each lane.
+inline __m256i fp8_bits8(__m256 v, Fp8 t) {
+  const bool e4 = t == Fp8::kE4M3;
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(int(0x80000000u)));
+  u = _mm256_xor_si256(u, sign);  // |v|: below 2^31, so signed compares hold
+  const __m128i shift = _mm_cvtsi32_si128(e4 ? 20 : 21);
+  const __m256i odd = _mm256_and_si256(_mm256_srl_epi32(u, shift), _mm256_set1_epi32(1));
+  const uint32_t bias =
+      e4 ? (uint32_t(7 - 127) << 23) + 0x7ffffu : (uint32_t(15 - 127) << 23) + 0xfffffu;
+  const __m256i normal = _mm256_srl_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(int(bias))), odd), shift);
+  const __m256i denorm_c = _mm256_set1_epi32(int(e4 ? 141u << 23 : 134u << 23));
+  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(denorm_c));
+  const __m256i denorm = _mm256_sub_epi32(_mm256_castps_si256(sum), denorm_c);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(e4 ? 121u << 23 : 113u << 23)), u);
+  const __m256i big =
+      _mm256_cmpgt_epi32(u, _mm256_set1_epi32(int(e4 ? (1087u << 20) - 1 : (143u << 23) - 1)));
+  __m256i special = _mm256_set1_epi32(0x7f);
+  if (!e4) {
+    const __m256i nan = _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7f800000));
+    special = _mm256_blendv_epi8(_mm256_set1_epi32(0x7c), special, nan);
+  }
+  __m256i r = _mm256_blendv_epi8(normal, denorm, small);
+  r = _mm256_blendv_epi8(r, special, big);
+  return _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xff)), _mm256_srli_epi32(sign, 24));
+}
+
+template <class T>
+void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
+  const T* x = static_cast<const T*>(xv);
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256 hi = _mm256_set1_ps(fp8_max(t)), lo = _mm256_set1_ps(-fp8_max(t));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_div_ps(load8(x + i), s);
+    // min / max return their second operand when one is NaN: NaN is kept.
+    v = _mm256_max_ps(lo, _mm256_min_ps(hi, v));
+    const __m256i r = fp8_bits8(v, t);
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packus_epi16(w16, w16));
+  }
+  for (; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
+}
+
 }  // namespace host
 }  // namespace ROPE_ISA
+
+const cpu::RowOps cpu::detail::kRowsAvx2{{host::norm_row8<float>, host::norm_row<double>,
+                                          host::norm_row8<Half>, host::norm_row8<BFloat16>},
+                                         {host::quant_row8<float>, host::quant_row<double>,
+                                          host::quant_row8<Half>, host::quant_row8<BFloat16>}};
 
 void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
   host::rotate_tokens_unrolled<host::Avx2Head>(p, begin, end);

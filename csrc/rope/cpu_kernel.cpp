@@ -6,9 +6,12 @@
 #include <cstring>
 
 #include "cpu.h"
+#include "serving_rows.h"
 
 namespace rope {
 namespace cpu {
+
+const RowOps detail::kRowsScalar = host::kPortableRows;
 
 void detail::rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t end) {
   dispatch_types(p, [&]<class T, class CS, class Pos, bool IL>() {
@@ -25,6 +28,7 @@ struct Isa {
   int rank;  // the environment variable's order: the best set of rank <= the one asked for
   Kernel kernel;
   bool (*supported)();
+  const RowOps* rows;  // the serving ops' row kernels
 };
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -42,21 +46,21 @@ bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf
 bool always() { return true; }
 
 constexpr Isa kIsas[] = {
-    {"scalar", 0, detail::rotate_tokens_scalar, always},
-    {"avx2", 1, detail::rotate_tokens_avx2, has_avx2},
-    {"avx512", 2, detail::rotate_tokens_avx512, has_avx512},
-    {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16},
+    {"scalar", 0, detail::rotate_tokens_scalar, always, &detail::kRowsScalar},
+    {"avx2", 1, detail::rotate_tokens_avx2, has_avx2, &detail::kRowsAvx2},
+    {"avx512", 2, detail::rotate_tokens_avx512, has_avx512, &detail::kRowsAvx2},
+    {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16, &detail::kRowsAvx2},
 };
 #elif defined(__aarch64__)
 bool always() { return true; }  // Advanced SIMD is part of every aarch64 CPU
 constexpr Isa kIsas[] = {
-    {"scalar", 0, detail::rotate_tokens_scalar, always},
-    {"neon", 1, detail::rotate_tokens_neon, always},
+    {"scalar", 0, detail::rotate_tokens_scalar, always, &detail::kRowsScalar},
+    {"neon", 1, detail::rotate_tokens_neon, always, &detail::kRowsScalar},
 };
 #else
 bool always() { return true; }
 constexpr Isa kIsas[] = {
-    {"scalar", 0, detail::rotate_tokens_scalar, always},
+    {"scalar", 0, detail::rotate_tokens_scalar, always, &detail::kRowsScalar},
 };
 #endif
 constexpr int kNumIsas = int(sizeof(kIsas) / sizeof(kIsas[0]));
@@ -97,6 +101,8 @@ std::atomic<int>& current() {
 void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
   kIsas[current().load(std::memory_order_relaxed)].kernel(p, begin, end);
 }
+
+const RowOps& row_ops() { return *kIsas[current().load(std::memory_order_relaxed)].rows; }
 
 const char* isa() { return kIsas[current().load(std::memory_order_relaxed)].name; }
 

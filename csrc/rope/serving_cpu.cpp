@@ -1,14 +1,15 @@
 // CPU kernels of the serving ops (cpu.h). Each works on a few tokens at a
 // time so that what one step writes is still in cache for the next: the
-// rotation is the vectorized kernel of rotate_tokens (the instruction set in
-// use), the cache stores are row copies (or fp8 quantization), and the RMSNorm
-// loops are written in blocks of 16 lanes that the compiler vectorizes.
+// rotation is the vectorized kernel of rotate_tokens, the RMSNorm of a head
+// and the fp8 quantization of a row are the row kernels (serving_rows.h) of
+// the same instruction set, and the cache stores are row copies.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu.h"
-#include "serving.h"
+#include "serving_rows.h"
 
 namespace rope {
 namespace cpu {
@@ -16,9 +17,16 @@ namespace {
 
 // Tokens per step: small enough that a step's q, k and v stay in L1/L2.
 constexpr int64_t kStepTokens = 8;
-constexpr int kLanes = 16;
 
 int64_t pos_size(const RopeParams& p) { return p.pos_int64 ? 8 : 4; }
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
+  if constexpr (std::is_same_v<T, Half>) return DType::kFloat16;
+  return DType::kBFloat16;
+}
 
 // p restricted to tokens [begin, end), renumbered from 0 (p has at most one token dim).
 RopeParams slice_tokens(const RopeParams& p, int64_t begin, int64_t end) {
@@ -44,7 +52,7 @@ int64_t row_offset(const RopeParams& p, int t, int64_t token, int64_t head) {
 
 template <class T>
 void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale, Fp8 t) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
+  row_ops().quant[int(dtype_of<T>())](x, dst, n, scale, t);
 }
 
 // Stores one row of n values of T into a cache row (a copy, or fp8).
@@ -104,44 +112,20 @@ void cache_step(const CacheParams& cp, int64_t begin, int64_t end) {
   }
 }
 
-// Sum of squares of x[0, n) in float (double for float64), 16 partial sums
-// added in a fixed order: the same result with or without vector units.
-template <class T>
-typename Acc<T>::type sum_squares(const T* x, int64_t n) {
-  using A = typename Acc<T>::type;
-  A part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int k = 0; k < kLanes; ++k) {
-      const A v = to_acc(x[i + k]);
-      part[k] += v * v;
-    }
-  for (int k = 0; i + k < n; ++k) {
-    const A v = to_acc(x[i + k]);
-    part[k] += v * v;
-  }
-  A s = 0;
-  for (int k = 0; k < kLanes; ++k) s += part[k];
-  return s;
-}
-
 template <class T>
 void norm_step(const NormParams& np, const typename Acc<T>::type* const w[2], int64_t begin,
                int64_t end) {
-  using A = typename Acc<T>::type;
   const RopeParams& p = np.rope;
   const int64_t D = p.head_dim;
+  const auto norm = row_ops().norm[int(dtype_of<T>())];
   for (int64_t token = begin; token < end; ++token) {
     const TokenOffsets o = token_offsets(p, token);
     for (int t = 0; t < 2; ++t) {
       for (int64_t h = 0; h < p.t[t].n_heads; ++h) {
         int64_t hin, hout;
         head_offsets(p.t[t], h, hin, hout);
-        const T* x = static_cast<const T*>(p.t[t].in) + o.in[t] + hin;
-        T* y = static_cast<T*>(p.t[t].out) + o.out[t] + hout;
-        const A rms = rms_inverse<A>(sum_squares(x, D), p.head_dim, np.eps);
-        const A* wt = w[t];
-        for (int64_t i = 0; i < D; ++i) y[i] = Store<T>::from(to_acc(x[i]) * rms * wt[i]);
+        norm(static_cast<const T*>(p.t[t].in) + o.in[t] + hin,
+             static_cast<T*>(p.t[t].out) + o.out[t] + hout, w[t], int(D), np.eps);
       }
     }
   }

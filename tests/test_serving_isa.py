@@ -1,0 +1,101 @@
+"""The serving ops' CPU row kernels (csrc/rope/serving_rows.h) under every instruction set this CPU runs.
+
+The RMSNorm of a head and the fp8 quantization of a row compute the same bits in the portable and the
+AVX2 builds (16 fixed summation lanes, no fused products, round to nearest even), so: fp8 cache rows are
+bit-exact against torch's own conversion of ``x / scale`` saturated (special values and every tail length
+included), and the normalised pass-through features of the fused QK-norm (no rotation between) are
+bit-identical across sets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import reference
+
+ISAS = [
+    i for i in ("scalar", "avx2", "avx512", "avx512_bf16", "neon") if torch.ops.rope_ext._cpu_isa_supported(i)
+]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    previous = rope_ext._set_cpu_isa(request.param)
+    yield request.param
+    rope_ext._set_cpu_isa(previous)
+
+
+def _specials(n: int, g: torch.Generator) -> torch.Tensor:
+    """Values over the whole fp8 range and past it: subnormal, normal, ties, huge, inf, NaN, signed zeros."""
+    mag = torch.exp2(torch.empty(n).uniform_(-24, 20, generator=g))
+    x = mag * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    x[::17] = float("inf")
+    x[5::19] = float("-inf")
+    x[7::23] = float("nan")
+    x[3::29] = -0.0
+    x[11::31] = 448.0 + 16.0  # e4m3 tie between 448 and the (absent) 480: saturates
+    return x
+
+
+def _fp8_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of an fp8 tensor, every NaN as 0x7f: the sign of a NaN is not part of the contract (torch's
+    float16 -> float32 conversion drops it, the kernels keep it)."""
+    return torch.where(t.float().isnan(), 0x7F, t.view(torch.uint8).int())
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [2, 6, 8, 18, 64, 130])
+def test_fp8_cache_rows_bit_exact(isa, fp8, dtype, dim):
+    g = torch.Generator().manual_seed(dim)
+    T, H = 9, 3
+    k = _specials(T * H * dim, g).to(dtype).reshape(T, H, dim)
+    v = _specials(T * H * dim, g).to(dtype).reshape(T, H, dim)
+    q = torch.randn(T, 2, dim, generator=g).to(dtype)
+    cs = reference.cos_sin_table(16, 2).float()
+    cs[:, 0], cs[:, 1] = 1.0, 0.0  # the identity rotation: the cache rows are k and v as given
+    kc = torch.zeros(4, 4, H, dim, dtype=fp8)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(16, generator=g)[:T]
+    ks, vs = torch.tensor([0.37]), torch.tensor([3.5])
+    rope_ext.apply_rotary_qk_and_cache_(
+        q, k, v, torch.zeros(T, dtype=torch.long), cs, kc, vc, slots, k_scale=ks, v_scale=vs
+    )
+    want_k, want_v = reference.kv_cache_write(
+        k, v, torch.zeros_like(kc), torch.zeros_like(vc), slots, k_scale=ks, v_scale=vs
+    )
+    assert torch.equal(_fp8_bits(kc), _fp8_bits(want_k))
+    assert torch.equal(_fp8_bits(vc), _fp8_bits(want_v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [8, 40, 130, 512])
+def test_qk_norm_pass_features_identical_across_sets(dtype, dim):
+    g = torch.Generator().manual_seed(dim)
+    T, Hq, Hk, Hv = 7, 3, 2, 1
+    qkv = (torch.randn(T, (Hq + Hk + Hv) * dim, generator=g) * 4).to(dtype)
+    qw, kw = torch.randn(dim, generator=g), torch.randn(dim, generator=g).to(dtype)
+    pos = torch.randint(0, 32, (T,), generator=g)
+    cs = reference.cos_sin_table(32, 2).float()  # one rotated pair: the other features are the norm's output
+    outs = {}
+    for name in ISAS:
+        previous = rope_ext._set_cpu_isa(name)
+        try:
+            out = qkv.clone()
+            rope_ext.apply_qk_norm_rotary_(out, Hq, Hk, Hv, qw, kw, pos, cs, weight_offset=0.5)
+            outs[name] = out.unflatten(-1, (Hq + Hk + Hv, dim))[..., 2:]
+        finally:
+            rope_ext._set_cpu_isa(previous)
+    first = outs[ISAS[0]]
+    for name, out in outs.items():
+        assert torch.equal(out, first), name
+    want = reference.qk_norm_rotary(qkv, Hq, Hk, Hv, qw, kw, pos, cs, weight_offset=0.5)
+    want = want.unflatten(-1, (Hq + Hk + Hv, dim))[..., 2:]
+    # 16-bit dtypes: the float32 norm's error (a few float32 ulps) is far below the dtype's ulp, so its
+    # rounding lands at most one ulp from the float64 reference's. float32: the error of the float32 sum
+    # of squares over up to 512 features and of the three products, bounded by 64 ulps.
+    ulps = 64.0 if dtype == torch.float32 else 1.0
+    ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((first.double() - want.double()).abs() <= ulps * ulp * 1.0001).all()
