@@ -1,0 +1,140 @@
+"""The serving ops on a GPU: CUDA-graph capture and replay with new positions and slot mappings, bitwise
+determinism, skipped out-of-range slots, and agreement with the references (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import HAS_CUDA
+
+import rope_ext
+from rope_ext import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
+
+T, HQ, HK, D, NB, BS = 48, 32, 8, 128, 64, 16
+
+
+def _cache_inputs(cache_dtype=torch.bfloat16, layout="NHD"):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(T, HQ + 2 * HK, D, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (T,), device="cuda", generator=g)
+    cs = rope_ext.RopeCache(D, 500000.0, max_positions=4096, device="cuda").cos_sin
+    shape = (NB, BS, HK, D) if layout == "NHD" else (NB, HK, BS, D)
+    kc = torch.randn(shape, device="cuda", generator=g).to(cache_dtype)
+    vc = torch.randn(shape, device="cuda", generator=g).to(cache_dtype)
+    slots = torch.randperm(NB * BS, device="cuda", generator=g)[:T]
+    scale = torch.tensor([0.25], device="cuda")
+    return qkv, pos, cs, kc, vc, slots, scale
+
+
+def _split(qkv):
+    return qkv[:, :HQ], qkv[:, HQ : HQ + HK], qkv[:, HQ + HK :]
+
+
+def _check(qkv, qkv0, pos, cs, kc, vc, kc0, vc0, slots, scale, layout="NHD"):
+    """q and k rotated (within an ulp of the float64 reference: one rounding of a float32 rotation), and
+    the caches holding exactly the rotated k (as left in k) and v, as the reference stores them."""
+    q, k, _ = _split(qkv)
+    q0, k0, v0 = _split(qkv0)
+    for got, x in ((q, q0), (k, k0)):
+        want = reference.rotary_hadamard(x, pos[:, None], cs)
+        err = (got.double() - want).abs().max().item()
+        assert err <= torch.finfo(got.dtype).eps * want.abs().max().item()
+    want_kc, want_vc = reference.kv_cache_write(
+        k, v0, kc0, vc0, slots, layout=layout, k_scale=scale, v_scale=scale
+    )
+    assert torch.equal(kc.view(torch.uint8), want_kc.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_vc.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_write_graph_replay_with_new_slots(cache_dtype, layout):
+    qkv, pos, cs, kc, vc, slots, scale = _cache_inputs(cache_dtype, layout)
+    qkv0, kc0, vc0 = qkv.clone(), kc.clone(), vc.clone()
+    q, k, v = _split(qkv)
+    kw = dict(layout=layout, k_scale=scale, v_scale=scale)
+    rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, slots, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, slots, **kw)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        qkv.copy_(qkv0)
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        pos.copy_(torch.randint(0, 4096, (T,), device="cuda", generator=g))
+        new = torch.randperm(NB * BS, device="cuda", generator=g)[:T]
+        new[::7] = -1  # padding tokens: rotated, not written
+        slots.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(qkv, qkv0, pos, cs, kc, vc, kc0, vc0, slots, scale, layout)
+
+
+def test_cache_write_deterministic_and_fp8_q_out():
+    qkv, pos, cs, kc, vc, slots, scale = _cache_inputs(torch.float8_e4m3fn)
+    runs = []
+    for _ in range(2):
+        x, a, b = qkv.clone(), kc.clone(), vc.clone()
+        q, k, v = _split(x)
+        q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device="cuda")
+        rope_ext.apply_rotary_qk_and_cache_(
+            q, k, v, pos, cs, a, b, slots, k_scale=scale, v_scale=scale, q_out=q8, q_scale=scale
+        )
+        runs.append((x, a, b, q8))
+    for r0, r1 in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(r0.view(torch.uint8), r1.view(torch.uint8))
+    x, _, _, q8 = runs[0]
+    assert torch.equal(_split(x)[0], _split(qkv)[0])  # q read only
+    rotated = reference.rotary_hadamard(_split(qkv)[0], pos[:, None], cs).to(qkv.dtype)
+    want = reference.quantize_fp8(rotated, scale, q8.dtype)
+    # the rotation rounded to bf16 may differ by an ulp from the reference's, then one fp8 step at most
+    diff = (q8.float() - want.float()).abs()
+    assert (diff <= 2**-3 * want.float().abs().clamp_min(2**-6) + 1e-12).all()
+
+
+def test_out_of_range_slot_skipped_or_raises():
+    qkv, pos, cs, kc, vc, slots, _ = _cache_inputs()
+    slots[3] = NB * BS + 5
+    kc0 = kc.clone()
+    q, k, v = _split(qkv)
+    rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, slots)
+    torch.cuda.synchronize()
+    written = torch.zeros(NB * BS, dtype=torch.bool, device="cuda")
+    written[slots[slots < NB * BS]] = True
+    assert torch.equal(kc.view(NB * BS, HK, D)[~written], kc0.view(NB * BS, HK, D)[~written])
+    rope_ext.set_position_checks(True)
+    try:
+        with pytest.raises(IndexError, match="slot_mapping"):
+            rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, slots)
+    finally:
+        rope_ext.set_position_checks(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80, 512])
+def test_qk_norm_rotary_on_gpu(dtype, head_dim):
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    qkv = (torch.randn(T, (HQ + 2 * HK) * head_dim, device="cuda", generator=g) * 3).to(dtype)
+    qw, kw = (torch.randn(head_dim, device="cuda", generator=g) for _ in range(2))
+    pos = torch.randint(0, 4096, (T,), device="cuda", generator=g)
+    cs = rope_ext.RopeCache(head_dim, max_positions=4096, device="cuda").cos_sin
+    want = reference.qk_norm_rotary(qkv, HQ, HK, HK, qw, kw, pos, cs)
+    out = qkv.clone()
+    graph = torch.cuda.CUDAGraph()
+    rope_ext.apply_qk_norm_rotary_(out, HQ, HK, HK, qw, kw, pos, cs)  # warm-up
+    out.copy_(qkv)
+    with torch.cuda.graph(graph):
+        rope_ext.apply_qk_norm_rotary_(out, HQ, HK, HK, qw, kw, pos, cs)
+    out.copy_(qkv)
+    graph.replay()
+    torch.cuda.synchronize()
+    # two ulps of the dtype: the float32 norm may round one ulp away from the float64 reference's
+    err = (out.double() - want.double()).abs().max().item()
+    assert err <= 2 * torch.finfo(dtype).eps * want.double().abs().max().item()
+    again = qkv.clone()
+    rope_ext.apply_qk_norm_rotary_(again, HQ, HK, HK, qw, kw, pos, cs)
+    assert torch.equal(again, out)  # deterministic (fixed-order warp sum)
