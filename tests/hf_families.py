@@ -564,7 +564,9 @@ def _compare(model, res: Result, calls: list[Call], refs: list) -> None:
             _record_used(patched, used)
             got = run(model, call, forward_mode=counter)
             _record_used(patched, None)
-            res.op_calls = sum(1 for c in counter.calls if c[0].startswith("rope_ext.rotary"))
+            res.op_calls = sum(
+                1 for c in counter.calls if c[0].startswith(("rope_ext.rotary", "rope_ext.qk_norm"))
+            )
         else:
             got = run(model, call)
         res.logit_err = max(_nan0(res.logit_err), logit_error(got[0], ref[0]))

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from .._tables import DeviceTables
 from ..cache import RopeCache
 from ..ops import apply_rotary, apply_rotary_qk
-from ..reference import rotate_half
+from ..reference import rms_norm, rotate_half
+from ..serving import apply_qk_norm_rotary
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -35,6 +36,7 @@ __all__ = [
     "supported_model_types",
     "patch_transformers",
     "unpatch_transformers",
+    "FUSED_QK_NORM_MODEL_TYPES",
 ]
 
 _OP_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -246,6 +248,12 @@ def _make_patched(original: Callable, rot: _Rotation, sig: _Signature) -> Callab
     names, defaults, ud_default = sig.names, sig.defaults, sig.unsqueeze_default
 
     def patched(q, k, cos, sin, *args, **kwargs):
+        if _ATTENTION and isinstance(getattr(_ATTENTION[-1], "q_norm", None), _DeferredNorm):
+            # Inside an attention whose q / k norms are deferred to here (fused QK norm).
+            return _fused_norm_rotate(_ATTENTION[-1], patched_plain, q, k, cos, sin, args, kwargs, rot)
+        return patched_plain(q, k, cos, sin, *args, **kwargs)
+
+    def patched_plain(q, k, cos, sin, *args, **kwargs):
         ud = ud_default
         if args or kwargs:
             if len(args) > len(names) or any(n in kwargs for n in names[: len(args)]):
@@ -265,6 +273,160 @@ def _make_patched(original: Callable, rot: _Rotation, sig: _Signature) -> Callab
     patched._rope_ext_original = original  # type: ignore[attr-defined]
     patched._rope_ext_rotation = rot  # type: ignore[attr-defined]
     return patched
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused QK norm: attention layers whose per-head q / k RMSNorm runs right before the rotation
+
+
+# Attention classes (by model type) whose forward applies q_norm / k_norm to the projections and then,
+# always, the modeling module's rotary function: their norms can be deferred into one fused op.
+FUSED_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+# The attention modules running a forward with deferred norms, innermost last.
+_ATTENTION: list[nn.Module] = []
+
+
+class _DeferredNorm(nn.Module):
+    """Stands in for an attention's ``q_norm`` / ``k_norm``: inside the attention's forward it returns its
+    input, and the patched rotary function applies the norm fused with the rotation
+    (:func:`rope_ext.apply_qk_norm_rotary`); anywhere else it runs the original norm. Its ``weight`` is the
+    original module's parameter itself, so state dict keys, optimizers and training are unchanged; the
+    original module is ``.original`` (not a submodule)."""
+
+    def __init__(self, original: nn.Module, eps: float, weight_offset: float) -> None:
+        super().__init__()
+        self.__dict__["original"] = original  # a plain reference: its weight is registered here
+        self.weight = original.weight
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _ATTENTION and _ATTENTION[-1] is self.__dict__.get("owner"):
+            return x
+        return self.original(x)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.original).__name__}, eps={self.eps}, weight_offset={self.weight_offset}, deferred"
+
+
+def _norm_form(norm: nn.Module, head_dim: int) -> tuple[float, float] | None:
+    """``(eps, weight_offset)`` when ``norm(x)`` is ``rms_norm(x, weight, eps, weight_offset)`` (float32
+    probe against the float64 reference), else None."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != (head_dim,) or weight.device.type == "meta":
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, head_dim, generator=g).to(weight.device)
+    with torch.no_grad():
+        try:
+            got = norm(x.float()).double()
+        except Exception:
+            return None
+    for attr in ("variance_epsilon", "eps"):
+        eps = getattr(norm, attr, None)
+        if not isinstance(eps, float):
+            continue
+        for offset in (0.0, 1.0):
+            want = rms_norm(x, weight.detach().float(), eps, offset)
+            if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                return eps, offset
+    return None
+
+
+def _fusable_attentions(model: nn.Module) -> list[nn.Module]:
+    """Attention modules of the model types in FUSED_QK_NORM_MODEL_TYPES whose q / k norms can be fused."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in FUSED_QK_NORM_MODEL_TYPES:
+        return []
+    found = []
+    for m in model.modules():
+        q_norm, k_norm, head_dim = (getattr(m, a, None) for a in ("q_norm", "k_norm", "head_dim"))
+        if not (
+            isinstance(q_norm, nn.Module) and isinstance(k_norm, nn.Module) and isinstance(head_dim, int)
+        ):
+            continue
+        forward = inspect.unwrap(type(m).forward)
+        if isinstance(q_norm, _DeferredNorm) or not {"q_norm", "k_norm"} <= _code_names(forward.__code__):
+            continue
+        forms = (_norm_form(q_norm, head_dim), _norm_form(k_norm, head_dim))
+        if forms[0] is not None and forms[0] == forms[1]:
+            found.append(m)
+    return found
+
+
+def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The attention's own forward with its q / k norms deferred to the rotary function."""
+    _ATTENTION.append(self)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _ATTENTION.pop()
+
+
+def _defer_norms(attention: nn.Module) -> None:
+    eps, offset = _norm_form(attention.q_norm, attention.head_dim)
+    q_norm, k_norm = (
+        _DeferredNorm(attention.q_norm, eps, offset),
+        _DeferredNorm(attention.k_norm, eps, offset),
+    )
+    for norm in (q_norm, k_norm):
+        norm.__dict__["owner"] = attention  # a plain reference, not a submodule
+    attention.q_norm, attention.k_norm = q_norm, k_norm
+    attention._rope_ext_norms = True
+    attention.forward = types.MethodType(_attention_forward, attention)
+
+
+def _restore_norms(attention: nn.Module) -> None:
+    if isinstance(attention.q_norm, _DeferredNorm):
+        attention.q_norm = attention.q_norm.original
+        attention.k_norm = attention.k_norm.original
+        del attention._rope_ext_norms
+        del attention.forward
+
+
+def _fused_norm_rotate(att, plain, q, k, cos, sin, args, kwargs, rot: _Rotation):
+    """The deferred q / k norms and the rotation, as one :func:`rope_ext.apply_qk_norm_rotary` call on
+    ``q [B, Hq, S, D]`` / ``k`` with ``cos`` / ``sin`` ``[B, S, w]`` (``unsqueeze_dim=1``, the layout these
+    attention classes use); any other call applies the original norms, then the plain patched function."""
+    qn, kn = att.q_norm, att.k_norm
+    ok = (
+        not args
+        and not kwargs
+        and q.dim() == 4
+        and k.dim() == 4
+        and cos.dim() == 3
+        and cos.shape == sin.shape
+        and q.dtype == k.dtype == cos.dtype
+        and cos.shape[0] in (1, q.shape[0])
+        and q.shape[2] == cos.shape[1]
+        and rot.output == "same"
+        and not cos.requires_grad
+        and not sin.requires_grad
+        and (cos.shape[-1] == q.shape[-1] or (rot.partial and cos.shape[-1] < q.shape[-1]))
+    )
+    if not ok:
+        return plain(qn.original(q), kn.original(k), cos, sin, *args, **kwargs)
+    B, Hq, S, D = q.shape
+    Hk = k.shape[1]
+    Bc, w = cos.shape[0], cos.shape[-1]
+    table = torch.cat([_pair_values(cos, rot.layout), _pair_values(sin, rot.layout)], dim=-1).reshape(
+        Bc * S, w
+    )
+    # token (b, s) of q reads row (b or 0, s) of the table
+    positions = torch.arange(Bc * S, device=q.device).view(Bc, S).expand(B, S).reshape(B * S)
+    q2, k2 = apply_qk_norm_rotary(
+        q.transpose(1, 2).reshape(B * S, Hq, D),
+        k.transpose(1, 2).reshape(B * S, Hk, D),
+        qn.weight,
+        kn.weight,
+        positions,
+        table,
+        eps=qn.eps,
+        interleaved=rot.pairing == "interleaved",
+        weight_offset=qn.weight_offset,
+    )
+    return q2.view(B, S, Hq, D).transpose(1, 2), k2.view(B, S, Hk, D).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -830,7 +992,9 @@ def _plan(model: nn.Module, max_positions: int | None) -> _Plan:
     return _Plan(adapters, functions, owners)
 
 
-def patch_transformers(model: nn.Module, *, max_positions: int | None = None) -> nn.Module:
+def patch_transformers(
+    model: nn.Module, *, max_positions: int | None = None, fuse_qk_norm: bool = True
+) -> nn.Module:
     """Route a loaded transformers model's RoPE through rope_ext; returns ``model``.
 
     Tested model types: :data:`SUPPORTED_MODEL_TYPES`; :func:`supported_model_types` says which of them the
@@ -848,6 +1012,13 @@ def patch_transformers(model: nn.Module, *, max_positions: int | None = None) ->
     for arguments the op does not take. (2) is per model class, not per instance: other models of the same
     family in the process also use the op, with transformers' semantics. The patched model runs under
     ``torch.compile(fullgraph=True)``. :func:`unpatch_transformers` undoes both.
+
+    With ``fuse_qk_norm`` (the default), attention layers of the model types in
+    :data:`FUSED_QK_NORM_MODEL_TYPES` (Qwen3, Qwen3-MoE) whose ``q_norm`` / ``k_norm`` are per-head RMSNorms
+    (checked on a probe against the float64 reference, which also finds ``eps`` and the ``1 + w`` form)
+    run the norms and the rotation as one :func:`rope_ext.apply_qk_norm_rotary` call (differentiable; the
+    norm's output rounded once instead of twice). The norm modules stay reachable as ``.original`` and
+    share their weights.
 
     Checks, all made before anything is swapped: the class of each rotary module, built from its config on
     the CPU, gives the adapter's cos / sin on probe positions (within float32 angle error; this also finds
@@ -878,11 +1049,17 @@ def patch_transformers(model: nn.Module, *, max_positions: int | None = None) ->
         module = sys.modules[module_name]
         _ORIGINALS.setdefault((module_name, fn_name), original)
         setattr(module, fn_name, _make_patched(original, rot, _signature(original)))
+    if fuse_qk_norm:
+        for attention in _fusable_attentions(model):
+            _defer_norms(attention)
     return model
 
 
 def unpatch_transformers(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_transformers`: the original rotary modules and modeling-module functions return."""
+    for m in list(model.modules()):
+        if hasattr(m, "_rope_ext_norms"):
+            _restore_norms(m)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, HFRotaryAdapter):
