@@ -274,3 +274,100 @@ def test_cli_list_and_seqs(tmp_path, capsys):
     assert bench.config_from_args(bench.parse_args(["--seqs", "1,200"])).seqs == [1, 200]
     with pytest.raises(SystemExit):
         bench.config_from_args(bench.parse_args(["--seqs", "0"]))
+
+
+# Serving modes: RoPE + paged KV-cache write (cache, cache-fp8) and fused QK-RMSNorm + RoPE (qknorm). ------
+
+
+def serving_config(modes, **kw) -> bench.Config:
+    # providers=None: every provider of the modes (vLLM, FlashInfer, SGLang skip when not installed).
+    return tiny_config(**{"modes": modes, "providers": None, "dtypes": [torch.bfloat16], **kw})
+
+
+def _ok_providers(result) -> list[dict]:
+    provs = [r for r in result["rows"] if r["kind"] == "provider"]
+    assert provs and all(r["status"] == "ok" for r in provs), [r for r in provs if r["status"] != "ok"]
+    return provs
+
+
+def test_serving_modes_not_run_by_default():
+    cfg = bench.config_from_args(bench.parse_args([]))
+    assert cfg.modes == ["inplace", "out", "backward"]
+    assert bench.config_from_args(bench.parse_args(["--mode", "cache,cache-fp8,qknorm"])).modes == [
+        "cache",
+        "cache-fp8",
+        "qknorm",
+    ]
+    with pytest.raises(SystemExit):
+        bench.config_from_args(bench.parse_args(["--mode", "cache,nope"]))
+
+
+def test_cache_modes_validate_with_their_ceilings():
+    result = bench.run_benchmark(serving_config(["cache", "cache-fp8"], pairings=["half", "interleaved"]))
+    provs = _ok_providers(result)
+    # rope_ext and rope_ext unfused, 2 modes x 2 pairings x (prefill 8, decode 1).
+    assert {(r["provider"], r["mode"]) for r in provs} == {
+        (n, m) for n in ("rope_ext", "rope_ext unfused") for m in ("cache", "cache-fp8")
+    }
+    assert len(provs) == 2 * 2 * 2 * 2
+    assert {r["phase"] for r in provs} == {"prefill", "decode"}
+    for r in provs:
+        assert r["ceiling"] == f"stream {r['mode']}" and r["frac_ceiling"] > 0
+        assert r["speedup_vs_eager"] > 0  # against rope_ext unfused
+        assert r["err_ulps"] < 2
+    assert all(r["err_fp8_codes"] <= 1 for r in provs if r["mode"] == "cache-fp8")
+    case = bench.make_case(TINY, 8, "prefill", torch.bfloat16, False, torch.device("cpu"))
+    row = next(r for r in provs if r["phase"] == "prefill" and r["mode"] == "cache")
+    assert row["bytes"] == case.bytes_moved("cache") > case.bytes_moved()
+    # q, k read + written, v read, k and v cache rows written (bf16, then one byte per value for fp8).
+    qk = sum(case.qk_bytes())
+    for name, cache_bytes in (("stream cache", 2 * 8 * 2 * 16 * 2), ("stream cache-fp8", 2 * 8 * 2 * 16)):
+        ceil = next(r for r in result["rows"] if r["provider"] == name and r["phase"] == "prefill")
+        assert ceil["stream_bytes"] == 2 * qk + 8 * 2 * 16 * 2 + cache_bytes
+        assert ceil["gbps"] == pytest.approx(ceil["stream_bytes"] / ceil["median_s"] / 1e9)
+    table = bench.table_rows(result)
+    assert all(r[8].endswith("%") for r in table if r[1] in ("cache", "cache-fp8"))  # the % ceil column
+    assert any("stream cache-fp8" in r for r in table)
+    lines = bench.summary(result)
+    assert any(s.startswith("rope_ext cache-fp8 tiny bf16 interleaved prefill") for s in lines)
+    assert any("skipped vllm (cache)" in n for n in result["notes"])
+
+
+def test_qknorm_mode_validates_with_compile_ratio():
+    result = bench.run_benchmark(serving_config(["qknorm"]))
+    provs = _ok_providers(result)
+    names = {r["provider"] for r in provs}
+    assert {"rope_ext", "eager unfused"} <= names <= {"rope_ext", "eager unfused", "torch.compile unfused"}
+    assert all(r["ceiling"] == "stream in-place" and r["frac_ceiling"] > 0 for r in provs)
+    fused = [r for r in provs if r["provider"] == "rope_ext"]
+    assert {r["phase"] for r in fused} == {"prefill", "decode"}
+    assert all(r["err_ulps"] < 2 for r in fused)
+    if "torch.compile unfused" in names:
+        assert all(r["speedup_vs_compile"] > 0 for r in fused)
+        assert any("x torch.compile unfused" in s for s in bench.summary(result))
+
+
+def test_wrong_cache_provider_is_reported(monkeypatch):
+    fused = rope_ext.apply_rotary_qk_and_cache_
+
+    def misplaced(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, **kw):
+        # q, k rotated right; the cache rows land in each other's slots.
+        fused(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping.flip(0), **kw)
+
+    def bad_scale(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, **kw):
+        kw["k_scale"] = kw["k_scale"] * 2
+        fused(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, **kw)
+
+    monkeypatch.setattr(rope_ext, "apply_rotary_qk_and_cache_", misplaced)
+    cfg = serving_config(["cache"], providers=["rope_ext", "rope_ext unfused"], decode_tokens=[])
+    rows = {r["provider"]: r for r in bench.run_benchmark(cfg)["rows"] if r["kind"] == "provider"}
+    assert rows["rope_ext unfused"]["status"] == "ok"
+    assert rows["rope_ext"]["status"] == "wrong" and rows["rope_ext"]["err_ulps"] > 100
+    assert "median_s" not in rows["rope_ext"]
+
+    monkeypatch.setattr(rope_ext, "apply_rotary_qk_and_cache_", bad_scale)
+    cfg = serving_config(["cache-fp8"], providers=["rope_ext"], decode_tokens=[])
+    result = bench.run_benchmark(cfg)
+    row = next(r for r in result["rows"] if r["kind"] == "provider")
+    assert row["status"] == "wrong" and row["err_fp8_codes"] > 1 and row["err_ulps"] < 2
+    assert "fp8 codes" in "\n".join(" ".join(r) for r in bench.table_rows(result))

@@ -11,17 +11,27 @@ For every workload (model preset or custom shape, token count, dtype, pairing) t
    running every provider and every ceiling once in turn, so that noise from other processes hits them
    alike; the median over all rounds is reported with its spread (25th-75th percentiles).
 
+The default modes time the rotation (``inplace``, ``out``, ``backward``). The serving modes run only when
+``--mode`` names them, on the same workloads: ``cache`` / ``cache-fp8`` (RoPE + paged KV-cache write from
+views of a packed qkv, caches of q's dtype / float8_e4m3fn; fused ``rope_ext.apply_rotary_qk_and_cache_``
+against the two-op eager path, validated on q, k and both caches, ``% ceil`` against ``stream cache``)
+and ``qknorm`` (fused QK-RMSNorm + RoPE on the packed qkv against eager and ``torch.compile`` unfused
+references, validated against :func:`rope_ext.reference.qk_norm_rotary`).
+
 The parts:
 
-* :mod:`.presets` - model presets (attention shapes), default token counts, dtypes, modes;
-* :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`), input sets;
+* :mod:`.presets` - model presets (attention shapes), default token counts, dtypes, modes (the serving
+  modes, the KV-cache block size);
+* :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`; the
+  serving modes' :class:`ServingInputs`), input sets;
 * :mod:`.providers` - the registry (:func:`provider`, :class:`Provider`, :class:`Skip`) and one module per
   provider family (rope_ext, the HF references, vLLM, FlashInfer, flash-attn, Liger);
 * :mod:`.ceilings` - what the machine does with the same bytes (in-place stream, clone, copy, no-op op,
-  tiny kernel);
+  tiny kernel; the serving modes' ``stream cache``);
 * :mod:`.parts` - pieces of a provider's work timed on their own (``varlen_positions``);
 * :mod:`.timing` - blocked CPU timing, CUDA events with the L2 flushed, statistics, allocator modes;
-* :mod:`.validation` - the check against the float64 reference;
+* :mod:`.validation` - the check against the float64 reference (the serving modes': their references and
+  tolerances);
 * :mod:`.runner` - :func:`run_benchmark` and the derived columns;
 * :mod:`.report` - table, summary lines, JSON, CSV, plot;
 * :mod:`.cli` - the command line (:func:`main`).
@@ -33,14 +43,26 @@ from __future__ import annotations
 
 from rope_ext.reference import hf_apply_rotary_pos_emb, hf_rotate_every_two, hf_rotate_half
 
-from .ceilings import CEILING_FOR_MODE, noop_op
+from .ceilings import CEILING_FOR_MODE, ceiling_bytes, noop_op
 from .cli import config_from_args, main, parse_args
 from .parts import PART_OF, parts
-from .presets import DECODE_CONTEXT, DECODE_TOKENS, DTYPES, MODES, PREFILL_TOKENS, PRESETS, Preset
+from .presets import (
+    ALL_MODES,
+    DECODE_CONTEXT,
+    DECODE_TOKENS,
+    DTYPES,
+    KV_BLOCK_SIZE,
+    MODES,
+    PREFILL_TOKENS,
+    PRESETS,
+    SERVING_MODES,
+    Preset,
+)
 from .providers import PROVIDERS, Builder, Provider, Runner, Skip, provider
 from .report import (
     CEILING_STYLE,
     CSV_FIELDS,
+    QKNORM_FLOORS,
     TABLE_COLUMNS,
     plot,
     print_table,
@@ -51,29 +73,35 @@ from .report import (
 )
 from .runner import machine_info, run_benchmark
 from .timing import Timer, set_cpu_allocator
-from .validation import validate
+from .validation import check, validate
 from .workloads import (
     Case,
     Config,
+    ServingInputs,
     input_sets,
     last_level_cache_bytes,
     make_case,
     mrope_prefill_positions,
     packed_cu_seqlens,
+    split_qkv,
 )
 
 __all__ = [
+    "ALL_MODES",
     "CEILING_FOR_MODE",
     "CEILING_STYLE",
     "CSV_FIELDS",
     "DECODE_CONTEXT",
     "DECODE_TOKENS",
     "DTYPES",
+    "KV_BLOCK_SIZE",
     "MODES",
     "PART_OF",
     "PREFILL_TOKENS",
     "PRESETS",
     "PROVIDERS",
+    "QKNORM_FLOORS",
+    "SERVING_MODES",
     "TABLE_COLUMNS",
     "Builder",
     "Case",
@@ -81,8 +109,11 @@ __all__ = [
     "Preset",
     "Provider",
     "Runner",
+    "ServingInputs",
     "Skip",
     "Timer",
+    "ceiling_bytes",
+    "check",
     "config_from_args",
     "hf_apply_rotary_pos_emb",
     "hf_rotate_every_two",
@@ -102,6 +133,7 @@ __all__ = [
     "provider",
     "run_benchmark",
     "set_cpu_allocator",
+    "split_qkv",
     "summary",
     "table_rows",
     "validate",

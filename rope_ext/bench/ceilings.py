@@ -8,18 +8,31 @@
   called through ``torch.ops`` from Python: the cost of a call, to judge small (decode) workloads;
 * ``tiny kernel`` (GPU only): ``one.zero_()`` on a one-element tensor, the device time of an (almost)
   empty kernel launch; on a GPU the decode ratio ``x no-op`` is taken against it.
+
+Only when the run has the serving modes (``cache``, ``cache-fp8``; ``qknorm`` takes ``stream in-place``,
+which streams exactly the q and k heads of its packed qkv, read and written):
+
+* ``stream cache`` / ``stream cache-fp8``: the bytes of one RoPE + KV-cache write call, streamed through
+  float32 buffers, timed as one callable: ``a.mul_(1.0)`` on q's plus k's bytes (q and k read and
+  written, as the in-place stream), then ``w[:m].copy_(r[:m])`` from a buffer ``r`` of v's bytes into a
+  buffer ``w`` of the cache rows' bytes (``Case.cache_bytes``: k's and v's rows in q's dtype, or one byte
+  per value for fp8), ``m`` = the smaller of the two, and the rest of the larger one streamed alone:
+  ``w[m:].fill_(0.0)`` (write only; caches of q's dtype: the key rows, as many bytes as v) or
+  ``r[m:].sum()`` (read only; fp32 v into fp8 caches: half of v). In all: q and k read and written, v
+  read, the cache rows written once - the minimum traffic of the fused op, without cos/sin, positions and
+  slots (k is read once: the fused op writes the cache's key rows from the rotation it already holds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .workloads import Case, clones
 
-__all__ = ["CEILING_FOR_MODE", "ceilings", "noop_op"]
+__all__ = ["CEILING_FOR_MODE", "ceiling_bytes", "ceilings", "noop_op"]
 
 _noop_lib: torch.library.Library | None = None
 
@@ -42,11 +55,52 @@ def noop_op() -> Callable[..., None]:
     return torch.ops.rope_bench.noop_qk_.default
 
 
-def ceilings(case: Case) -> dict[str, Callable[[], Any]]:
+def _stream_cache(case: Case, fp8: bool) -> Callable[[], Any]:
+    """The ``stream cache`` ceiling (see the module docstring)."""
+    dev = case.device
+    a = torch.ones(max(sum(case.qk_bytes()) // 4, 1), device=dev)
+    r = torch.ones(max(case.v_bytes() // 4, 1), device=dev)
+    w = torch.ones(max(case.cache_bytes(fp8) // 4, 1), device=dev)
+    m = min(r.numel(), w.numel())
+    rm, wm, r_rest, w_rest = r[:m], w[:m], r[m:], w[m:]
+    if w_rest.numel():
+
+        def run() -> None:
+            a.mul_(1.0)
+            wm.copy_(rm)
+            w_rest.fill_(0.0)
+
+    elif r_rest.numel():
+
+        def run() -> None:
+            a.mul_(1.0)
+            wm.copy_(rm)
+            r_rest.sum()
+
+    else:
+
+        def run() -> None:
+            a.mul_(1.0)
+            wm.copy_(rm)
+
+    return run
+
+
+def ceiling_bytes(case: Case, name: str) -> int:
+    """The bytes a ceiling streams (its GB/s counts them): q and k read and written for the q/k ceilings;
+    ``stream cache``: that, v read and the cache rows written."""
+    qk = sum(case.qk_bytes())
+    if name.startswith("stream cache"):
+        return 2 * qk + case.v_bytes() + case.cache_bytes(name == "stream cache-fp8")
+    return 2 * qk
+
+
+def ceilings(case: Case, modes: Sequence[str] = ()) -> dict[str, Callable[[], Any]]:
     """Reference operations over the bytes of q and k (see the module docstring).
 
     The streaming ceilings use one float32 buffer of q's plus k's bytes (one parallel region per call,
-    as the rotary op itself), so they measure the machine, not torch's kernels for a dtype.
+    as the rotary op itself), so they measure the machine, not torch's kernels for a dtype. ``modes``:
+    the run's modes; ``cache`` and ``cache-fp8`` add their ``stream cache`` ceilings.
     """
     nq, nk = case.qk_bytes()
     dev = case.device
@@ -69,8 +123,18 @@ def ceilings(case: Case) -> dict[str, Callable[[], Any]]:
         # The device time of launching a kernel that does (almost) nothing: the floor for decode steps.
         one = torch.zeros(1, device=dev)
         out["tiny kernel"] = lambda: one.zero_()
+    for mode in ("cache", "cache-fp8"):
+        if mode in modes:
+            out[CEILING_FOR_MODE[mode]] = _stream_cache(case, mode == "cache-fp8")
     return out
 
 
 # The ceiling each mode's "% ceil" is taken against.
-CEILING_FOR_MODE = {"inplace": "stream in-place", "out": "clone", "backward": "clone"}
+CEILING_FOR_MODE = {
+    "inplace": "stream in-place",
+    "out": "clone",
+    "backward": "clone",
+    "cache": "stream cache",
+    "cache-fp8": "stream cache-fp8",
+    "qknorm": "stream in-place",
+}

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .parts import PART_OF
-from .presets import DECODE_TOKENS, DTYPES, MODES, PREFILL_TOKENS, PRESETS, Preset
+from .presets import ALL_MODES, DECODE_TOKENS, DTYPES, MODES, PREFILL_TOKENS, PRESETS, Preset
 from .providers import PROVIDERS
 from .report import plot, print_table, write_csv, write_json
 from .runner import run_benchmark
@@ -69,7 +69,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--pairing", default="model", help="model (the preset's), half, interleaved, both; comma-separated"
     )
-    ap.add_argument("--mode", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    ap.add_argument(
+        "--mode",
+        default=",".join(MODES),
+        help=f"comma-separated, of {','.join(ALL_MODES)}; the serving modes run only when named: cache "
+        "(RoPE + paged KV-cache write, caches of q's dtype), cache-fp8 (float8_e4m3fn caches with k/v "
+        "scales), qknorm (QK-RMSNorm + RoPE on a packed qkv)",
+    )
     ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
@@ -151,8 +157,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise SystemExit(f"--seqs wants sequence counts >= 1, got {a.seqs!r}")
     modes = [m.strip() for m in a.mode.split(",") if m.strip()]
     for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"unknown mode {m!r}; known: {', '.join(MODES)}")
+        if m not in ALL_MODES:
+            raise SystemExit(f"unknown mode {m!r}; known: {', '.join(ALL_MODES)}")
     return Config(
         presets=presets,
         prefill_tokens=_ints(a.tokens),

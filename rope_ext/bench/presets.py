@@ -7,10 +7,15 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "ALL_MODES",
+    "DECODE_CACHE_SLOTS",
     "DECODE_CONTEXT",
     "DECODE_TOKENS",
     "DTYPES",
+    "KV_BLOCK_SIZE",
     "MODES",
+    "QKNORM_EPS",
+    "SERVING_MODES",
     "PREFILL_TOKENS",
     "PRESETS",
     "Preset",
@@ -73,7 +78,17 @@ DTYPES = {
     "fp16": torch.float16,
     "fp64": torch.float64,
 }
-MODES = ("inplace", "out", "backward")
+MODES = ("inplace", "out", "backward")  # the default --mode
+# The serving fusions, run only when --mode names them: RoPE + paged KV-cache write (caches of q's dtype,
+# or float8_e4m3fn with k/v scales) and QK-RMSNorm + RoPE on a packed qkv.
+SERVING_MODES = ("cache", "cache-fp8", "qknorm")
+ALL_MODES = MODES + SERVING_MODES
+# Paged KV cache of the cache modes: NHD blocks of KV_BLOCK_SIZE tokens (vLLM's default); a prefill's
+# cache holds just its tokens (slots a random permutation of them), a decode step's DECODE_CACHE_SLOTS
+# slots (its tokens written to random distinct ones).
+KV_BLOCK_SIZE = 16
+DECODE_CACHE_SLOTS = 4096
+QKNORM_EPS = 1e-6  # Qwen3's rms_norm_eps
 # Decode positions are drawn from [0, DECODE_CONTEXT): each token is the next one of its own sequence.
 DECODE_CONTEXT = 8192
 

@@ -7,6 +7,13 @@ read per token. GB/s = bytes / median time.
 ``% ceil`` is the ceiling's time divided by the provider's time (in place against the in-place stream,
 out of place and backward against clone); cos/sin and positions are not credited to the provider there.
 A part's (``varlen_positions``) ``% rot`` is its time divided by the rotation's (``rope_ext`` in place).
+
+The serving modes count their own bytes (:meth:`~rope_ext.bench.workloads.Case.bytes_moved`): ``cache`` /
+``cache-fp8`` add v read, the cache rows written and the slots read, and take ``% ceil`` against
+``stream cache`` / ``stream cache-fp8`` (those bytes streamed; see :mod:`.ceilings`); ``qknorm`` against
+``stream in-place`` (its q and k heads read and written). Their ``vs eager`` is against the mode's
+unfused eager path (``rope_ext unfused``, ``eager unfused``); the summary adds ``qknorm``'s ratio to
+``torch.compile unfused`` and the issue's floors for a 4096-token prefill on a CPU (:data:`QKNORM_FLOORS`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 __all__ = [
     "CEILING_STYLE",
     "CSV_FIELDS",
+    "QKNORM_FLOORS",
     "TABLE_COLUMNS",
     "plot",
     "print_table",
@@ -82,7 +90,12 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
         wl = _workload(r)
         status = r["status"]
         if status == "wrong":
-            status = f"WRONG ({r['err_ulps']:.3g} ulp)"
+            if r.get("err_fp8_codes", 0) > 1:
+                status = f"WRONG ({r['err_fp8_codes']:.3g} fp8 codes)"
+            elif r.get("detail"):
+                status = f"WRONG ({r['detail']})"
+            else:
+                status = f"WRONG ({r['err_ulps']:.3g} ulp)"
         elif status == "error":
             status = f"ERROR {r.get('detail', '').split(':')[0][:28]}"
         t = r.get("median_s")
@@ -152,6 +165,13 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
         "hf-eager time / time; x no-op: time / registered no-op call.",
         file=file,
     )
+    if any(r["mode"] in _SERVING for r in result["rows"]):
+        print(
+            "serving modes: cache bytes add v read, cache rows written, slots read; % ceil vs 'stream "
+            "cache[-fp8]' (those bytes streamed), qknorm vs 'stream in-place' (q, k heads); vs eager: "
+            "the unfused eager path (rope_ext unfused / eager unfused) time / time.",
+            file=file,
+        )
     for line in summary(result):
         print(line, file=file)
     for n in result["notes"]:
@@ -161,8 +181,11 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
 def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
     """One line per workload: how provider ``name`` stands against the ceilings and the references.
 
-    Packed workloads add ``name+varlen`` in place and the ``varlen_positions`` part; then one line per
-    prefill that ran with several sequence counts compares ``name`` in place across them.
+    Each serving mode that ran adds its own line per workload: time, % of its ceiling, the ratios to the
+    unfused references and, for ``qknorm`` prefills of 4096 tokens or more on a CPU, the issue's floors
+    (:data:`QKNORM_FLOORS`). Packed workloads add ``name+varlen`` in place and the ``varlen_positions``
+    part; then one line per prefill that ran with several sequence counts compares ``name`` in place
+    across them.
     """
     lines = []
     by_wl: dict[tuple, dict[str, dict[str, Any]]] = {}
@@ -202,9 +225,11 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
         for r in (ip, out):
             if r and "x_noop_call" in r and phase == "decode":
                 parts.append(f"{r['mode']} call {r['x_noop_call']:.2f}x no-op")
+        wl = f"{preset} {dt} {pairing} {phase} T={tokens}" + (f" seqs={seqs}" if seqs else "")
         if parts:
-            wl = f"{preset} {dt} {pairing} {phase} T={tokens}" + (f" seqs={seqs}" if seqs else "")
             lines.append(f"{name} {wl}: " + ", ".join(parts))
+        for mode, words in _serving_parts(result, rows, name, phase, tokens):
+            lines.append(f"{name} {mode} {wl}: " + ", ".join(words))
     # The same prefill packed as different numbers of sequences: the token-parallel grid should not care.
     by_seqs: dict[tuple, list[dict[str, Any]]] = {}
     for (preset, dt, pairing, phase, tokens, seqs), rows in by_wl.items():
@@ -226,6 +251,45 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
             f"% of stream max / min {max(fr) / min(fr):.2f}x (best runs {max(fm) / min(fm):.2f}x)"
         )
     return lines
+
+
+_SERVING = ("cache", "cache-fp8", "qknorm")
+# The issue's floors for the fused QK-norm + rope: a Llama-3-8B-sized prefill of 4096 tokens on a CPU.
+QKNORM_FLOORS = {"frac_ceiling": 0.85, "speedup_vs_compile": 2.0, "tokens": 4096}
+
+
+def _serving_parts(
+    result: dict[str, Any], rows: dict[str, dict[str, Any]], name: str, phase: str, tokens: int
+) -> list[tuple[str, list[str]]]:
+    """The summary's words on each serving mode of one workload (see :func:`summary`)."""
+    parts = []
+    for mode in _SERVING:
+        r = rows.get(f"{name}|{mode}")
+        if not r or "median_s" not in r:
+            continue
+        words = [f"{mode} {_fmt_time(r['median_s'])}"]
+        if "frac_ceiling" in r:
+            pct, best = 100 * r["frac_ceiling"], 100 * r["frac_ceiling_min"]
+            words.append(f"{pct:.0f}% of {r['ceiling']} (best runs {best:.0f}%)")
+        if "speedup_vs_compile" in r:
+            words.append(f"{r['speedup_vs_compile']:.2f}x torch.compile unfused")
+        base = next((b for b in rows.values() if b.get("baseline") and b["mode"] == mode), None)
+        if base and "speedup_vs_eager" in r:
+            words.append(f"{r['speedup_vs_eager']:.2f}x {base['provider']}")
+        if "x_noop_call" in r and phase == "decode":
+            words.append(f"call {r['x_noop_call']:.2f}x no-op")
+        f = QKNORM_FLOORS
+        cpu = "gpu" not in result["machine"]
+        if mode == "qknorm" and phase == "prefill" and tokens >= f["tokens"] and cpu:
+            label = {
+                "frac_ceiling": f"{100 * f['frac_ceiling']:.0f}% of ceiling",
+                "speedup_vs_compile": f"{f['speedup_vs_compile']:g}x torch.compile unfused",
+            }
+            for k, text in label.items():
+                if k in r:
+                    words.append(f"floor {text}: {'met' if r[k] >= f[k] else 'NOT met'}")
+        parts.append((mode, words))
+    return parts
 
 
 CSV_FIELDS = [
@@ -255,11 +319,14 @@ CSV_FIELDS = [
     "frac_ceiling",
     "frac_ceiling_min",
     "speedup_vs_eager",
+    "speedup_vs_compile",
     "x_noop_call",
     "x_forward",
     "frac_rotation",
     "frac_rotation_min",
     "input_sets",
+    "err_fp8_codes",
+    "stream_bytes",
     "detail",
 ]
 
@@ -280,7 +347,13 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 
 # Line style and colour of each ceiling in the plot.
-CEILING_STYLE = {"stream in-place": ("--", "black"), "clone": ("--", "gray"), "copy into": (":", "black")}
+CEILING_STYLE = {
+    "stream in-place": ("--", "black"),
+    "clone": ("--", "gray"),
+    "copy into": (":", "black"),
+    "stream cache": ("-.", "black"),
+    "stream cache-fp8": ("-.", "gray"),
+}
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -4,6 +4,10 @@ Timing runs in several rounds, each running every provider and every ceiling onc
 from other processes hits them alike; the median over all rounds is reported with its spread (25th-75th
 percentiles). Parts (:mod:`.parts`, e.g. ``varlen_positions`` of a packed workload) are timed in the same
 rounds and reported as a fraction of the rotation they feed.
+
+The serving modes (``cache``, ``cache-fp8``, ``qknorm``) run on the same workloads, after the other
+modes' rows, each against its own baseline (the unfused eager path) and ceiling; ``qknorm`` rows also
+carry ``speedup_vs_compile`` (the ``torch.compile unfused`` time over theirs).
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import torch
 
 import rope_ext
 
-from .ceilings import CEILING_FOR_MODE, ceilings
+from .ceilings import CEILING_FOR_MODE, ceiling_bytes, ceilings
 from .parts import PART_OF, parts
-from .presets import dtype_name
+from .presets import MODES, SERVING_MODES, dtype_name
 from .providers import PROVIDERS, Provider, Skip
 from .timing import Timer, set_cpu_allocator, stats
-from .validation import validate
+from .validation import check
 from .workloads import Config, cycle, input_sets, make_case, workloads
 
 __all__ = ["machine_info", "run_benchmark"]
@@ -77,6 +81,8 @@ def run_benchmark(
         provs = [p for p in provs if p.name in cfg.providers]
     else:
         provs = [p for p in provs if not p.opt_in]
+    # The rotary modes' rows as before (family by family), then each serving mode's rows together.
+    provs.sort(key=lambda p: 0 if p.mode in MODES else 1 + SERVING_MODES.index(p.mode))
     timer = Timer(device, cfg.min_run_time)
     notes: dict[str, None] = {}
     rows: list[dict[str, Any]] = []
@@ -126,9 +132,12 @@ def run_benchmark(
         for p in provs:
             key = f"{p.name}|{p.mode}"
             row = {**base, "provider": p.name, "mode": p.mode, "kind": "provider", "baseline": p.baseline}
+            if p.mode in SERVING_MODES:
+                row["bytes"] = case.bytes_moved(p.mode)
             try:
                 fn = p.build(case)
-                ok, err = validate(case, p.mode, fn(), cfg.tol_ulps)
+                info = check(case, p.mode, fn(), cfg.tol_ulps)
+                ok = info.pop("ok")
                 if ok and n_sets > 1:
                     fn = cycle([fn] + [p.build(c) for c in cases[1:]])
             except Skip as e:
@@ -138,18 +147,21 @@ def run_benchmark(
                 row.update(status="error", detail=f"{type(e).__name__}: {e}".splitlines()[0][:200])
                 rows.append(row)
                 continue
-            row.update(status="ok" if ok else "wrong", err_ulps=err)
+            row.update(status="ok" if ok else "wrong", **info)
             wl_rows[key] = row
             rows.append(row)
             if ok:
                 runners[key] = fn
-        ceils = [ceilings(c) for c in cases]
+        ceils = [ceilings(c, cfg.modes) for c in cases]
         for name in ceils[0]:
             if name in ("no-op call", "tiny kernel") and tokens > 256:
                 continue
             fn = cycle([c[name] for c in ceils])
             key = f"{name}|ceiling"
             row = {**base, "provider": name, "mode": "ceiling", "kind": "ceiling", "status": "ok"}
+            row["stream_bytes"] = ceiling_bytes(case, name)
+            if name.startswith("stream cache"):
+                row["bytes"] = row["stream_bytes"]
             wl_rows[key] = row
             rows.append(row)
             runners[key] = fn
@@ -183,9 +195,15 @@ def run_benchmark(
     return {"machine": machine, "config": cfg_dict, "rows": rows, "notes": list(notes)}
 
 
+# The mode whose baseline ("vs eager") each mode's rows are compared with; a serving mode, its own.
+BASELINE_MODE = {"inplace": "out", "out": "out", "backward": "backward"}
+# The compiled unfused reference of a mode, whose time over a row's is its speedup_vs_compile.
+COMPILED_REF = {"qknorm": "torch.compile unfused|qknorm"}
+
+
 def _derive(wl: dict[str, dict[str, Any]]) -> None:
-    """GB/s, fraction of the mode's ceiling, speedup vs eager, call-overhead ratio and parts' fraction of
-    the rotation, in place."""
+    """GB/s, fraction of the mode's ceiling, speedup vs eager (and vs the compiled unfused reference),
+    call-overhead ratio and parts' fraction of the rotation, in place."""
     eager = {r["mode"]: r for r in wl.values() if r.get("baseline") and "median_s" in r}
     # On a GPU the decode floor is the device time of a tiny kernel; on a CPU, the cost of a call.
     noop = wl.get("tiny kernel|ceiling") or wl.get("no-op call|ceiling")
@@ -201,16 +219,20 @@ def _derive(wl: dict[str, dict[str, Any]]) -> None:
             continue
         r["gbps"] = r["bytes"] / t / 1e9
         if r["kind"] == "ceiling":
-            r["gbps"] = 2 * r["qk_bytes"] / t / 1e9  # q and k read and written, no cos/sin or positions
+            # q and k read and written (stream cache: and v read, cache rows written), no cos/sin or positions
+            r["gbps"] = r.get("stream_bytes", 2 * r["qk_bytes"]) / t / 1e9
             continue
         ceil = wl.get(f"{CEILING_FOR_MODE[r['mode']]}|ceiling")
         if ceil and ceil.get("median_s"):
             r["ceiling"] = ceil["provider"]
             r["frac_ceiling"] = ceil["median_s"] / t
             r["frac_ceiling_min"] = ceil["min_s"] / r["min_s"]  # best runs of each: least disturbed
-        ref = eager.get("backward" if r["mode"] == "backward" else "out")
+        ref = eager.get(BASELINE_MODE.get(r["mode"], r["mode"]))
         if ref:
             r["speedup_vs_eager"] = ref["median_s"] / t
+        comp = wl.get(COMPILED_REF.get(r["mode"], ""))
+        if comp and comp.get("median_s"):
+            r["speedup_vs_compile"] = comp["median_s"] / t
         if noop and noop.get("median_s"):
             r["x_noop_call"] = t / noop["median_s"]
         fwd = wl.get(f"{r['provider']}|out")

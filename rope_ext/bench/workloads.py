@@ -11,6 +11,13 @@ contiguous), ``positions`` and a float32 cos/sin cache. Positions (int64):
 * decode: random positions in ``[0, DECODE_CONTEXT)``, one token of each of ``T`` sequences;
 * MRoPE presets (``Preset.mrope_section``): ``[3, T]`` (temporal, height, width). Prefill: a prompt of
   text, one image, text (:func:`mrope_prefill_positions`); decode: text tokens, the three rows equal.
+
+The serving modes (``cache``, ``cache-fp8``, ``qknorm``) add, built on first use (:attr:`Case.serving`):
+``v [T, Hkv, D]``, packed with q and k as servers hold them (:meth:`Case.packed_qkv`: ``[T, Hq+2Hkv, D]``,
+q, k and v its views), a paged NHD KV cache (:meth:`Case.new_caches`: ``[num_blocks, KV_BLOCK_SIZE, Hkv,
+D]`` of q's dtype or float8_e4m3fn, zeroed), distinct int64 slots (a prefill: a random permutation of a
+cache of just its tokens; a decode step: random slots of ``DECODE_CACHE_SLOTS``), one-element float32
+``k_scale``/``v_scale`` (fp8 caches) and random QK-norm weights ``[D]`` of q's dtype.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from torch import Tensor
 import rope_ext
 from rope_ext import reference
 
-from .presets import DECODE_CONTEXT, Preset
+from .presets import DECODE_CACHE_SLOTS, DECODE_CONTEXT, KV_BLOCK_SIZE, QKNORM_EPS, Preset
 
 __all__ = [
+    "FP8_CACHE_DTYPE",
     "Case",
     "Config",
+    "ServingInputs",
     "clones",
     "cycle",
     "input_sets",
@@ -42,8 +51,11 @@ __all__ = [
     "make_case",
     "mrope_prefill_positions",
     "packed_cu_seqlens",
+    "split_qkv",
     "workloads",
 ]
+
+FP8_CACHE_DTYPE = torch.float8_e4m3fn  # the cache-fp8 mode's KV-cache dtype (vLLM's kv_cache_dtype="fp8")
 
 
 @dataclass
@@ -84,7 +96,8 @@ class Case:
     grad_q: Tensor
     grad_k: Tensor
     cu_seqlens: Tensor | None = None  # int32 [N + 1]: a packed prefill of N sequences
-    _expected: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _expected: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
+    _serving: dict[str, ServingInputs] = field(default_factory=dict)  # built on first use, shared by copies
 
     @property
     def rotary_dim(self) -> int:
@@ -138,14 +151,53 @@ class Case:
             grad_k=self.grad_k.clone(),
         )
 
-    def bytes_moved(self) -> int:
-        """q and k read and written once, one cos/sin row and the positions (3 for MRoPE) read per token."""
-        qk = self.q.numel() * self.q.element_size() + self.k.numel() * self.k.element_size()
+    def bytes_moved(self, mode: str = "inplace") -> int:
+        """The op's minimum traffic: one cos/sin row and the positions (3 for MRoPE) read per token, and
+
+        * ``inplace``, ``out``, ``backward``, ``qknorm``: q and k read and written once (``qknorm``: plus
+          the two norm weights; v is not touched);
+        * ``cache``, ``cache-fp8``: q and k read and written once, v read once, the cache rows of k and v
+          written once (:meth:`cache_bytes`) and the slot of each token (int64) read.
+        """
+        qk = sum(self.qk_bytes())
         pos = self.positions.numel() * self.positions.element_size()
-        return 2 * qk + self.tokens * self.rotary_dim * self.cos_sin.element_size() + pos
+        n = 2 * qk + self.tokens * self.rotary_dim * self.cos_sin.element_size() + pos
+        if mode == "qknorm":
+            n += 2 * self.preset.head_dim * self.q.element_size()
+        elif mode in ("cache", "cache-fp8"):
+            n += self.v_bytes() + self.cache_bytes(mode == "cache-fp8") + 8 * self.tokens
+        return n
 
     def qk_bytes(self) -> tuple[int, int]:
         return self.q.numel() * self.q.element_size(), self.k.numel() * self.k.element_size()
+
+    def v_bytes(self) -> int:
+        """Bytes of ``v [T, Hkv, D]`` (q's dtype)."""
+        return self.k.numel() * self.k.element_size()
+
+    def cache_bytes(self, fp8: bool) -> int:
+        """Bytes of the key and value cache rows one call writes (q's dtype, or one byte per value)."""
+        return 2 * self.k.numel() * (1 if fp8 else self.k.element_size())
+
+    @property
+    def serving(self) -> ServingInputs:
+        """The serving modes' extra inputs (:class:`ServingInputs`), built on first use, deterministic."""
+        if "inputs" not in self._serving:
+            self._serving["inputs"] = _serving_inputs(self)
+        return self._serving["inputs"]
+
+    def packed_qkv(self) -> Tensor:
+        """A fresh packed ``qkv [T, Hq + 2 Hkv, D]``: q, k and ``serving.v`` (views: :func:`split_qkv`)."""
+        return torch.cat([self.q, self.k, self.serving.v], dim=1)
+
+    def new_caches(self, fp8: bool) -> tuple[Tensor, Tensor]:
+        """Zeroed NHD ``key_cache``, ``value_cache`` ``[num_blocks, KV_BLOCK_SIZE, Hkv, D]``.
+
+        Of q's dtype, or :data:`FP8_CACHE_DTYPE` when ``fp8``.
+        """
+        shape = (self.serving.num_blocks, KV_BLOCK_SIZE, self.preset.kv_heads, self.preset.head_dim)
+        dt = FP8_CACHE_DTYPE if fp8 else self.dtype
+        return tuple(torch.zeros(shape, dtype=dt, device=self.device) for _ in range(2))  # type: ignore[return-value]
 
     def cos_sin_rows(self) -> Tensor:
         """Each token's cos/sin row, ``[T, rotary_dim]`` float32 (cos half, then sin half).
@@ -170,6 +222,46 @@ class Case:
             c, s = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
         dt = dtype or self.dtype
         return c.to(dt).contiguous(), s.to(dt).contiguous()
+
+
+@dataclass
+class ServingInputs:
+    """The serving modes' inputs besides q, k, positions and cos/sin (see the module docstring)."""
+
+    v: Tensor  # [T, Hkv, D], q's dtype
+    slot_mapping: Tensor  # int64 [T], distinct slots of the cache
+    num_blocks: int  # of the cache, KV_BLOCK_SIZE slots each
+    k_scale: Tensor  # float32 [1] (fp8 caches)
+    v_scale: Tensor  # float32 [1]
+    q_weight: Tensor  # [D], q's dtype
+    k_weight: Tensor  # [D]
+    eps: float = QKNORM_EPS
+
+
+def _serving_inputs(case: Case) -> ServingInputs:
+    g = torch.Generator().manual_seed(1)  # independent of make_case's stream: q, k stay as they were
+    t, p = case.tokens, case.preset
+    v = torch.randn(t, p.kv_heads, p.head_dim, generator=g).to(case.dtype)
+    slots_needed = max(t, DECODE_CACHE_SLOTS) if case.phase == "decode" else t
+    num_blocks = max(1, math.ceil(slots_needed / KV_BLOCK_SIZE))
+    slots = torch.randperm(num_blocks * KV_BLOCK_SIZE, generator=g)[:t].to(torch.int64)
+    w = [(0.25 + 1.5 * torch.rand(p.head_dim, generator=g)).to(case.dtype) for _ in range(2)]
+    dev = case.device
+    # Scales that use most of e4m3's range for standard-normal k (rotated: |k| up to ~7) and v.
+    return ServingInputs(
+        v=v.to(dev),
+        slot_mapping=slots.to(dev),
+        num_blocks=num_blocks,
+        k_scale=torch.tensor([0.02], device=dev),
+        v_scale=torch.tensor([0.015], device=dev),
+        q_weight=w[0].to(dev),
+        k_weight=w[1].to(dev),
+    )
+
+
+def split_qkv(qkv: Tensor, q_heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Views ``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, D]`` of a packed ``qkv [T, Hq + 2 Hkv, D]``."""
+    return qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads], qkv[:, q_heads + kv_heads :]
 
 
 def packed_cu_seqlens(tokens: int, seqs: int, generator: torch.Generator) -> Tensor:

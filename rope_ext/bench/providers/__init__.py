@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..presets import MODES
+from ..presets import ALL_MODES
 from ..workloads import Case
 
 __all__ = ["FAMILIES", "PROVIDERS", "Builder", "Provider", "Runner", "Skip", "flat", "provider"]
@@ -23,7 +23,7 @@ class Skip(Exception):
     """Raised by a provider's builder when it cannot run: not installed, or not for this workload."""
 
 
-Runner = Callable[[], tuple[Tensor, Tensor]]
+Runner = Callable[[], tuple[Tensor, ...]]
 Builder = Callable[[Case], Runner]
 
 
@@ -32,14 +32,15 @@ class Provider:
     """A named implementation of one mode.
 
     ``build(case)`` prepares its own copies of the inputs and returns a zero-argument callable, the
-    thing that is timed; calling it returns the rotated ``(q, k)`` (for ``backward``: the gradients).
+    thing that is timed; calling it returns the rotated ``(q, k)`` (for ``backward``: the gradients;
+    ``cache``, ``cache-fp8``: ``(q, k, key_cache, value_cache)``; ``qknorm``: ``(qkv,)``).
     It raises :class:`Skip` when the provider is not available.
     """
 
     name: str
-    mode: str  # "inplace" | "out" | "backward"
+    mode: str  # one of presets.ALL_MODES
     build: Builder
-    baseline: bool = False  # the eager reference: speedups are relative to it
+    baseline: bool = False  # the eager reference of its mode: speedups are relative to it
     opt_in: bool = False  # timed only when named in --providers
 
 
@@ -53,8 +54,8 @@ def provider(
 
     An ``opt_in`` provider runs only when ``--providers`` names it.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in ALL_MODES:
+        raise ValueError(f"mode must be one of {ALL_MODES}, got {mode!r}")
 
     def register(build: Builder) -> Builder:
         PROVIDERS.append(Provider(name, mode, build, baseline, opt_in))
@@ -69,7 +70,7 @@ def flat(t: Tensor) -> Tensor:
 
 
 # One module per provider family, imported (so registered) in this order: the order of a workload's rows.
-FAMILIES = ("rope_ext", "hf", "vllm", "flashinfer", "flash_attn", "liger")
+FAMILIES = ("rope_ext", "hf", "vllm", "flashinfer", "sglang", "flash_attn", "liger")
 for _family in FAMILIES:
     importlib.import_module(f"{__name__}.{_family}")
 del _family

@@ -2,6 +2,16 @@
 
 MRoPE presets pass ``mrope_section`` with their ``[3, T, 1]`` positions. ``rope_ext+varlen`` (packed
 workloads): ``rope_ext.varlen_positions`` then the rotation in place, timed together.
+
+Serving modes, on views q, k, v of a packed qkv:
+
+* ``cache`` / ``cache-fp8``: ``rope_ext`` is the fused ``rope_ext.apply_rotary_qk_and_cache_``;
+  ``rope_ext unfused`` (the baseline) the two-op eager path of a server without the fusion:
+  ``apply_rotary_qk_`` in place, then ``index_copy_`` of k's and v's rows into the caches viewed as
+  ``[num_slots, Hkv, D]`` (fp8 caches: :func:`rope_ext.reference.quantize_fp8`'s torch ops first, and
+  the copy on the caches' bytes, as CPU torch has no fp8 ``index_copy_``);
+* ``qknorm``: ``rope_ext`` is the fused ``rope_ext.apply_qk_norm_rotary_`` on the packed ``[T, (Hq +
+  2 Hkv) * D]``; its unfused references are in :mod:`.hf`.
 """
 
 from __future__ import annotations
@@ -10,8 +20,9 @@ import torch
 from torch import Tensor
 
 import rope_ext
+from rope_ext.reference import quantize_fp8
 
-from ..workloads import Case, clones
+from ..workloads import FP8_CACHE_DTYPE, Case, clones, split_qkv
 from . import Runner, Skip, provider
 
 
@@ -62,6 +73,85 @@ def _rope_ext_varlen(case: Case) -> Runner:
     def run() -> tuple[Tensor, Tensor]:
         apply(q, k, positions(cu, total_tokens=tokens)[:, None], cs, interleaved=il)
         return q, k
+
+    return run
+
+
+def _cache_inputs(case: Case, fp8: bool):
+    """Fresh views q, k, v of a packed qkv and zeroed caches (fp8: ``FP8_CACHE_DTYPE``)."""
+    q, k, v = split_qkv(case.packed_qkv(), case.preset.q_heads, case.preset.kv_heads)
+    return q, k, v, *case.new_caches(fp8)
+
+
+def _rope_ext_cache(fp8: bool):
+    def build(case: Case) -> Runner:
+        q, k, v, kc, vc = _cache_inputs(case, fp8)
+        s = case.serving
+        pos, cs, slots = case.positions, case.cos_sin, s.slot_mapping
+        il, sec = case.interleaved, case.mrope_section
+        scales = {"k_scale": s.k_scale, "v_scale": s.v_scale} if fp8 else {}
+        apply = rope_ext.apply_rotary_qk_and_cache_
+
+        def run() -> tuple[Tensor, ...]:
+            apply(q, k, v, pos, cs, kc, vc, slots, interleaved=il, mrope_section=sec, **scales)
+            return q, k, kc, vc
+
+        return run
+
+    return build
+
+
+def _rope_ext_cache_unfused(fp8: bool):
+    def build(case: Case) -> Runner:
+        q, k, v, kc, vc = _cache_inputs(case, fp8)
+        s = case.serving
+        pos, cs, slots = case.rope_positions, case.cos_sin, s.slot_mapping
+        il, sec = case.interleaved, case.mrope_section
+        hk, d = case.preset.kv_heads, case.preset.head_dim
+        apply = rope_ext.apply_rotary_qk_
+        if not fp8:
+            kf, vf = kc.view(-1, hk, d), vc.view(-1, hk, d)
+
+            def run() -> tuple[Tensor, ...]:
+                apply(q, k, pos, cs, interleaved=il, mrope_section=sec)
+                kf.index_copy_(0, slots, k)
+                vf.index_copy_(0, slots, v)
+                return q, k, kc, vc
+
+            return run
+        kb, vb = kc.view(torch.uint8).view(-1, hk, d), vc.view(torch.uint8).view(-1, hk, d)
+        ks, vs, u8 = s.k_scale, s.v_scale, torch.uint8
+
+        def run_fp8() -> tuple[Tensor, ...]:
+            apply(q, k, pos, cs, interleaved=il, mrope_section=sec)
+            kb.index_copy_(0, slots, quantize_fp8(k, ks, FP8_CACHE_DTYPE).view(u8))
+            vb.index_copy_(0, slots, quantize_fp8(v, vs, FP8_CACHE_DTYPE).view(u8))
+            return q, k, kc, vc
+
+        return run_fp8
+
+    return build
+
+
+for _mode, _fp8 in (("cache", False), ("cache-fp8", True)):
+    provider("rope_ext", _mode)(_rope_ext_cache(_fp8))
+    provider("rope_ext unfused", _mode, baseline=True)(_rope_ext_cache_unfused(_fp8))
+del _mode, _fp8
+
+
+@provider("rope_ext", "qknorm")
+def _rope_ext_qknorm(case: Case) -> Runner:
+    if case.mrope_section is not None:
+        raise Skip("qknorm: one position per token (its reference takes no MRoPE)")
+    qkv = case.packed_qkv().flatten(1)
+    p, s = case.preset, case.serving
+    pos, cs, il = case.positions, case.cos_sin, case.interleaved
+    apply = rope_ext.apply_qk_norm_rotary_
+    heads, qw, kw = (p.q_heads, p.kv_heads, p.kv_heads), s.q_weight, s.k_weight
+
+    def run() -> tuple[Tensor, ...]:
+        apply(qkv, *heads, qw, kw, pos, cs, eps=s.eps, interleaved=il)
+        return (qkv,)
 
     return run
 
