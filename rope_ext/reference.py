@@ -385,8 +385,8 @@ def quantize_fp8(x: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor
     float32 tensor, or a number) in float32, clamped to ``[-FP8_MAX[dtype], FP8_MAX[dtype]]`` (448 for
     ``torch.float8_e4m3fn``, 57344 for ``torch.float8_e5m2``; infinities saturate too) and converted with
     torch's own ``.to(dtype)`` (round to nearest even). NaN stays NaN (its sign is not specified). This
-    matches vLLM's ``scaled_convert`` (``x / scale`` in float32, then a ``__NV_SATFINITE`` conversion). Returns a
-    ``dtype`` tensor of x's shape on x's device.
+    matches vLLM's ``scaled_convert`` (``x / scale`` in float32, then a ``__NV_SATFINITE`` conversion).
+    Returns a ``dtype`` tensor of x's shape on x's device.
     """
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
