@@ -52,6 +52,21 @@ def _placements(q: Any, positions: Any, mrope: bool) -> list[tuple[Any, Any]]:
     return out
 
 
+def _token_placements(q: Any, positions: Any, mrope: bool) -> list[tuple[Any, Any]]:
+    """As :func:`_placements`, for the serving ops' per-token positions (``[T]`` for ``q [T, H, D]``, aligned
+    to the left of q's batch dims) as well as for positions broadcasting to ``q.shape[:-1]``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    lead = 1 if mrope else 0
+    if positions.ndim - lead != q.ndim - 2:
+        return _placements(q, positions, mrope)
+    out = [(Replicate(), Replicate())]
+    for d in range(q.ndim - 1):
+        per_token = d < q.ndim - 2 and positions.shape[d + lead] > 1
+        out.append((Shard(d), Shard(d + lead) if per_token else Replicate()))
+    return out
+
+
 def _mrope(args: Sequence[Any], kwargs: dict[str, Any], index: int) -> bool:
     section = args[index] if len(args) > index else kwargs.get("mrope_section")
     return section is not None
@@ -97,14 +112,27 @@ def register_sharding_rules() -> bool:
     def _qk_norm_rotary(q, k, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
         return [
             ([p, p], norm_inputs(p, pp, len(rest)))
-            for p, pp in _placements(q, positions, _mrope(rest, kwargs, 4))
+            for p, pp in _token_placements(q, positions, _mrope(rest, kwargs, 4))
         ]
 
     @register_sharding(ops.qk_norm_rotary_.default)
     def _qk_norm_rotary_inplace(q, k, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
         return [
             ([], norm_inputs(p, pp, len(rest)))
-            for p, pp in _placements(q, positions, _mrope(rest, kwargs, 4))
+            for p, pp in _token_placements(q, positions, _mrope(rest, kwargs, 4))
+        ]
+
+    @register_sharding(ops.qk_norm_rotary_packed_.default)
+    def _qk_norm_rotary_packed(qkv, hq, hk, hv, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
+        from torch.distributed.tensor import Shard
+
+        # a packed row mixes q, k and v heads: tokens are sharded (with per-token positions), never heads
+        lead = 1 if _mrope(rest, kwargs, 4) else 0
+        none = [None] * len(rest)
+        pos_tok = Shard(lead) if positions.shape[lead] > 1 else R
+        return [
+            ([], [R, None, None, None, R, R, R, R, *none]),
+            ([], [Shard(0), None, None, None, R, R, pos_tok, R, *none]),
         ]
 
     @register_sharding(ops.rotary_qk_cache_.default)

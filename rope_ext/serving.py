@@ -18,17 +18,21 @@ from . import ops as _o
 __all__ = ["apply_qk_norm_rotary", "apply_qk_norm_rotary_", "apply_rotary_qk_and_cache_"]
 
 _ops = torch.ops.rope_ext
+_cache_op = _ops.rotary_qk_cache_.default
+_packed_norm_op = _ops.qk_norm_rotary_packed_.default
+_is_compiling = torch.compiler.is_compiling
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _token_positions(positions: Tensor, mrope_section) -> Tensor:
-    """``positions [T]`` as ``[T, 1]`` (``[3, T]`` as ``[3, T, 1]``): one position per token, all heads."""
+    """``positions``, checked to be ``[T]`` (``[3, T]`` with MRoPE): one position per token, all heads (the
+    ops read it as ``[T, 1]``)."""
     _o._require_tensor("positions", positions)
     want = 2 if mrope_section is not None else 1
     if positions.dim() != want:
         shape = "[3, T]" if want == 2 else "[T]"
         raise ValueError(f"positions must be {shape}, got shape {list(positions.shape)}")
-    return positions.unsqueeze(-1)
+    return positions
 
 
 def _no_grad_wanted(*tensors: Tensor | None) -> None:
@@ -61,7 +65,6 @@ def _is_view(t: Tensor | None) -> bool:
     return t is not None and t._base is not None
 
 
-@_o._typed_errors
 def apply_rotary_qk_and_cache_(
     q: Tensor,
     k: Tensor,
@@ -110,6 +113,37 @@ def apply_rotary_qk_and_cache_(
     (CUDA-graph safe); one parallel pass over tokens on CPU. Every argument is checked before the
     first write: on error q, k, v and both caches are unchanged. An inference op: no autograd.
     """
+    if (
+        type(q) is type(k) is type(v) is type(positions) is type(slot_mapping) is Tensor
+        and type(layout) is str
+        and positions.dim() == 1
+        and mrope_section is None
+        and type(rotary_offset) is int
+        and not (q.requires_grad or k.requires_grad or v.requires_grad)
+        and not _o._check_positions_on_device
+        and not _is_compiling()
+    ):
+        # The common eager call (a decode step): straight to the op, which checks everything else.
+        try:
+            _cache_op(
+                q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale, q_out,
+                q_scale, interleaved, layout, rotary_offset,
+            )  # fmt: skip
+        except ValueError as e:
+            raise _o._retyped(e) from None
+        return
+    _cache_checked(
+        q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, interleaved, layout, k_scale,
+        v_scale, q_out, q_scale, rotary_offset, mrope_section, mrope_interleaved,
+    )  # fmt: skip
+
+
+@_o._typed_errors
+def _cache_checked(
+    q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, interleaved, layout, k_scale, v_scale,
+    q_out, q_scale, rotary_offset, mrope_section, mrope_interleaved,
+) -> None:  # fmt: skip
+    """``apply_rotary_qk_and_cache_`` past the eager fast path: every check, and ``torch.compile``."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cos_sin", cos_sin)):
         _o._require_tensor(name, t)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
@@ -161,7 +195,6 @@ def _check_eps(eps) -> None:
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
 
 
-@_o._typed_errors
 def apply_qk_norm_rotary_(
     qkv: Tensor,
     num_heads_q: int,
@@ -190,6 +223,72 @@ def apply_qk_norm_rotary_(
     dim. Every argument is checked before the first write; CUDA-graph safe. Differentiable when qkv
     requires grad (through :func:`apply_qk_norm_rotary`).
     """
+    if (
+        type(qkv) is type(q_weight) is type(k_weight) is type(positions) is Tensor
+        and positions.dim() == 1
+        and type(num_heads_q) is type(num_heads_k) is type(num_heads_v) is int
+        and type(eps) is float
+        and mrope_section is None
+        and type(rotary_offset) is int
+        and not (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad)
+        and not _o._check_positions_on_device
+        and not _is_compiling()
+    ):
+        # The common eager call (a decode step): one op on qkv, which checks everything else.
+        try:
+            _packed_norm_op(
+                qkv,
+                num_heads_q,
+                num_heads_k,
+                num_heads_v,
+                q_weight,
+                k_weight,
+                positions,
+                cos_sin,
+                eps,
+                interleaved,
+                float(weight_offset),
+                rotary_offset,
+            )
+        except ValueError as e:
+            raise _o._retyped(e) from None
+        return
+    _qk_norm_checked(
+        qkv,
+        num_heads_q,
+        num_heads_k,
+        num_heads_v,
+        q_weight,
+        k_weight,
+        positions,
+        cos_sin,
+        eps,
+        interleaved,
+        weight_offset,
+        rotary_offset,
+        mrope_section,
+        mrope_interleaved,
+    )
+
+
+@_o._typed_errors
+def _qk_norm_checked(
+    qkv,
+    num_heads_q,
+    num_heads_k,
+    num_heads_v,
+    q_weight,
+    k_weight,
+    positions,
+    cos_sin,
+    eps,
+    interleaved,
+    weight_offset,
+    rotary_offset,
+    mrope_section,
+    mrope_interleaved,
+) -> None:
+    """``apply_qk_norm_rotary_`` past the eager fast path: every check, autograd and ``torch.compile``."""
     q, k = _split_qkv(qkv, num_heads_q, num_heads_k, num_heads_v)
     _o._require_tensor("q_weight", q_weight)
     _o._require_tensor("k_weight", k_weight)
@@ -202,12 +301,14 @@ def apply_qk_norm_rotary_(
     rest = (float(eps), interleaved, float(weight_offset), rotary_offset, mrope_section, mrope_interleaved)
     grad = torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad)
     if grad or torch.compiler.is_compiling():
-        # The differentiable functional op and copy_ (also the traced path: see ops._rotate_in_place).
+        # The differentiable functional op, then one copy_ into the q and k columns of qkv (also the traced
+        # path: see ops._rotate_in_place). With grad, the op saves copies of q and k (qkv changes next).
         if grad:
             _o._check_inplace_allowed(qkv)
+            q, k = q.clone(), k.clone()
         q_new, k_new = _ops.qk_norm_rotary.default(q, k, q_weight, k_weight, pos, cos_sin, *rest)
-        q.copy_(q_new)
-        k.copy_(k_new)
+        width = (num_heads_q + num_heads_k) * q.shape[-1]
+        qkv[:, :width].copy_(torch.cat([q_new.flatten(1), k_new.flatten(1)], dim=1))
         return
     _ops.qk_norm_rotary_.default(q, k, q_weight, k_weight, pos, cos_sin, *rest)
 
@@ -359,6 +460,29 @@ def _qk_norm_rotary_fake(
     return _o._empty_output(q), _o._empty_output(k)
 
 
+@torch.library.register_fake("rope_ext::qk_norm_rotary_packed_")
+def _qk_norm_rotary_packed_fake(
+    qkv,
+    num_heads_q,
+    num_heads_k,
+    num_heads_v,
+    q_weight,
+    k_weight,
+    positions,
+    cos_sin,
+    eps=1e-6,
+    interleaved=False,
+    weight_offset=0.0,
+    rotary_offset=0,
+    mrope_section=None,
+    mrope_interleaved=False,
+):
+    q, k = _split_qkv(qkv, num_heads_q, num_heads_k, num_heads_v)
+    _norm_fake_checks(
+        q, k, q_weight, k_weight, positions, cos_sin, rotary_offset, mrope_section, mrope_interleaved
+    )
+
+
 def _norm_fake_checks(
     q, k, q_weight, k_weight, positions, cos_sin, rotary_offset, mrope_section, mrope_interleaved
 ):
@@ -397,6 +521,8 @@ def _norm_head_backward(ctx, x: Tensor, w: Tensor, grad: Tensor | None, position
         return None, None
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     cs = cos_sin if cos_sin.dtype in (torch.float32, acc) else cos_sin.to(acc)
+    if positions.dim() == grad.dim() - 2 + (ctx.rot[1] is not None):
+        positions = positions.unsqueeze(-1)  # per token ([T]) as the rotary op takes it ([T, 1])
     dn = _ops.rotary.default(
         _o._last_dim_contiguous(grad.to(acc)), positions, cs, ctx.interleaved, True, *ctx.rot
     )

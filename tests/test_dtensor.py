@@ -212,6 +212,15 @@ def _serving_ops(rank, world_size):
         torch.ops.rope_ext.qk_norm_rotary_(dq, dk, args[0], args[1], args[2].unsqueeze(-1), args[3])
         assert tuple(dq.placements) == (qk_pl,) and torch.equal(dq.full_tensor(), want[0])
 
+    # the packed op (the eager API's call on qkv): tokens sharded with the positions, or all replicated
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(DEVICE)
+    want_qkv = qkv.clone()
+    torch.ops.rope_ext.qk_norm_rotary_packed_(want_qkv, Hq, Hk, Hk, qw, kw, pos, cs)
+    for tok in (Shard(0), R):
+        dqkv = d(qkv, tok)
+        torch.ops.rope_ext.qk_norm_rotary_packed_(dqkv, Hq, Hk, Hk, d(qw, R), d(kw, R), d(pos, tok), d(cs, R))
+        assert tuple(dqkv.placements) == (tok,) and torch.equal(dqkv.full_tensor(), want_qkv)
+
     slots = torch.randperm(4 * 16, generator=g)[:T].to(DEVICE)
     for layout, heads_dim in (("NHD", 2), ("HND", 1)):
         shape = (4, 16, Hk, D) if layout == "NHD" else (4, Hk, 16, D)
@@ -264,7 +273,15 @@ def test_rules_are_registered_on_import():
     import rope_ext  # noqa: F401
 
     strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-    for op in ("rotary", "rotary_qk", "rotary_qk_", "qk_norm_rotary", "qk_norm_rotary_", "rotary_qk_cache_"):
+    for op in (
+        "rotary",
+        "rotary_qk",
+        "rotary_qk_",
+        "qk_norm_rotary",
+        "qk_norm_rotary_",
+        "rotary_qk_cache_",
+        "qk_norm_rotary_packed_",
+    ):
         assert getattr(torch.ops.rope_ext, op).default in strategies
 
 

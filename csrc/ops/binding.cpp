@@ -281,7 +281,7 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
                              const Tensor* k_out, const Tensor& positions, const Tensor& cos_sin,
                              bool interleaved, bool inverse, int64_t rotary_offset,
                              const Sections& mrope_section, bool mrope_interleaved,
-                             const char* q_name) {
+                             const char* q_name, bool per_token) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
   const ScalarType dtype = q_in.scalar_type();
@@ -364,14 +364,17 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
     return str("positions of shape ", shape_str(pos_sizes), " must be broadcastable to ", target,
                ".shape[:-1] = ", shape_str(shape));
   };
-  const int64_t pos_dim = int64_t(pos_sizes.size());
+  // per_token: positions [T] for q [T, H, D] read as [T, 1] (one trailing dim of size 1).
+  const int64_t virt = per_token && int64_t(pos_sizes.size()) == n - 1 ? 1 : 0;
+  const int64_t pos_dim = int64_t(pos_sizes.size()) + virt;
   ROPE_CHECK(ValueError, pos_dim <= n, not_broadcastable(xname, qb));
 
   Dims tok, qh, kh;
   for (int64_t d = 0; d < n; ++d) {
     const int64_t pd = d - (n - pos_dim);
-    const int64_t psize = pd >= 0 ? pos_sizes[pd] : 1;
-    const int64_t pstride = pd >= 0 && psize > 1 ? pos_strides[pd] : 0;
+    const bool real = pd >= 0 && pd < pos_dim - virt;
+    const int64_t psize = real ? pos_sizes[pd] : 1;
+    const int64_t pstride = real && psize > 1 ? pos_strides[pd] : 0;
     ROPE_CHECK(ValueError, psize == 1 || psize == qb[d], not_broadcastable(xname, qb));
     ROPE_CHECK(ValueError, psize == 1 || psize == kb[d], not_broadcastable("k", kb));
     const int64_t qin = qi.stride[d], qout = qo.stride[d];
@@ -558,7 +561,7 @@ void check_no_self_overlap(const Tensor& t, const char* name) {
 void check_tokens(const rope::RopeParams& p, int64_t T) {
   ROPE_CHECK(ValueError, p.n_tok_dims <= 1 && (p.n_tokens == T || T <= 1),
              "positions must hold one position per token of q (", T,
-             " tokens) with a nonzero stride, as [T, 1] (or [3, T, 1] with mrope_section)");
+             " tokens) with a nonzero stride: [T] (or [3, T] with mrope_section)");
 }
 
 }  // namespace
@@ -601,7 +604,7 @@ rope::CacheParams make_cache_params(
   const bool q_direct = qo && q_fp8 == rope::Fp8::kNone;
   rope::CacheParams cp{};
   cp.rope = make_params(q, q_direct ? *qo : q, &k, &k, positions, cos_sin, interleaved, false,
-                        rotary_offset, mrope_section, mrope_interleaved, "q");
+                        rotary_offset, mrope_section, mrope_interleaved, "q", true);
   check_tokens(cp.rope, T);
   const float* qs = scale_ptr(q_scale, "q_scale", q);
   if (q_fp8 != rope::Fp8::kNone) {
@@ -752,7 +755,7 @@ rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Te
              eps);
   rope::NormParams np{};
   np.rope = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, false, rotary_offset,
-                        mrope_section, mrope_interleaved, "q");
+                        mrope_section, mrope_interleaved, "q", true);
   check_tokens(np.rope, T);
   int i = 0;
   for (const auto& [w, name] : {std::pair{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
@@ -770,8 +773,8 @@ rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Te
     np.w_dtype[i] = to_dtype(w->scalar_type());
     ++i;
   }
-  np.eps = float(eps);
-  np.weight_offset = float(weight_offset);
+  np.eps = eps;
+  np.weight_offset = weight_offset;
   return np;
 }
 
@@ -795,6 +798,35 @@ void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
                        weight_offset, rotary_offset, mrope_section, mrope_interleaved);
   check_writable(q, &k);
   run_norm(np, q, backend);
+}
+
+void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+                            int64_t num_heads_v, const Tensor& q_weight, const Tensor& k_weight,
+                            const Tensor& positions, const Tensor& cos_sin, double eps,
+                            bool interleaved, double weight_offset, int64_t rotary_offset,
+                            const Sections& mrope_section, bool mrope_interleaved,
+                            const Backend& backend) {
+  ROPE_CHECK(TypeError, qkv.defined(), "qkv must be a tensor, got None");
+  ROPE_CHECK(ValueError, qkv.dim() == 2, "qkv must be [T, (Hq+Hk+Hv)*D], got shape ",
+             shape_str(qkv.sizes()));
+  ROPE_CHECK(ValueError, num_heads_q >= 1 && num_heads_k >= 1 && num_heads_v >= 0,
+             "head counts must be ints, q and k >= 1, v >= 0; got (", num_heads_q, ", ",
+             num_heads_k, ", ", num_heads_v, ")");
+  const int64_t heads = num_heads_q + num_heads_k + num_heads_v, width = qkv.size(1);
+  ROPE_CHECK(ValueError, width % heads == 0, "qkv.shape[-1] = ", width,
+             " is not a multiple of Hq+Hk+Hv = ", heads);
+  ROPE_CHECK(ValueError, width <= 1 || qkv.stride(1) == 1,
+             "qkv must have a contiguous last dim (stride 1), got strides ",
+             shape_str(qkv.strides()));
+  const int64_t T = qkv.size(0), D = width / heads;
+  Tensor packed = qkv;
+  const int64_t q_shape[3] = {T, num_heads_q, D}, k_shape[3] = {T, num_heads_k, D};
+  const Tensor q =
+      torch::stable::view(torch::stable::narrow(packed, 1, 0, num_heads_q * D), q_shape);
+  const Tensor k = torch::stable::view(
+      torch::stable::narrow(packed, 1, num_heads_q * D, num_heads_k * D), k_shape);
+  qk_norm_rotary_(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved, weight_offset,
+                  rotary_offset, mrope_section, mrope_interleaved, backend);
 }
 
 std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, const Tensor& q_weight,

@@ -124,6 +124,25 @@ std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, cons
                                           const Sections& mrope_section, bool mrope_interleaved,
                                           const Backend& backend);
 
+// rope_ext::qk_norm_rotary_packed_: qk_norm_rotary_ on the q and k columns of a packed qkv.
+void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+                            int64_t num_heads_v, const Tensor& q_weight, const Tensor& k_weight,
+                            const Tensor& positions, const Tensor& cos_sin, double eps,
+                            bool interleaved, double weight_offset, int64_t rotary_offset,
+                            const Sections& mrope_section, bool mrope_interleaved,
+                            const Backend& backend);
+
+template <const Backend& B>
+void qk_norm_rotary_packed_on(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
+                              int64_t num_heads_v, Tensor q_weight, Tensor k_weight,
+                              Tensor positions, Tensor cos_sin, double eps, bool interleaved,
+                              double weight_offset, int64_t rotary_offset, Sections mrope_section,
+                              bool mrope_interleaved) {
+  qk_norm_rotary_packed_(qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions,
+                         cos_sin, eps, interleaved, weight_offset, rotary_offset, mrope_section,
+                         mrope_interleaved, B);
+}
+
 template <const Backend& B>
 void rotary_qk_cache_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
                         Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
@@ -173,12 +192,14 @@ rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Te
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws the exceptions above, naming the argument (q_name,
-// default "q" with k and "x" without); touches no data.
+// default "q" with k and "x" without); touches no data. per_token (the
+// serving ops): positions with one dim less than q.shape[:-1] ([T] for
+// [T, H, D]) are one position per token, read as [T, 1].
 rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tensor* k_in,
                              const Tensor* k_out, const Tensor& positions, const Tensor& cos_sin,
                              bool interleaved, bool inverse, int64_t rotary_offset,
                              const Sections& mrope_section, bool mrope_interleaved,
-                             const char* q_name = nullptr);
+                             const char* q_name = nullptr, bool per_token = false);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.

@@ -55,7 +55,7 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
                                     layout, rotary_offset, mrope_section, mrope_interleaved);
   const auto l = rope::gpu::plan_cache_launch(cp, num_sms, force_scalar);
   const auto& g = l.grid;
-  if (rope::gpu::cache_has_work(cp, l)) {
+  if (q.size(0) > 0 && rope::gpu::cache_has_work(cp, l)) {
     rope::gpu::dispatch_cuda(
         cp.rope, g.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
           for (int64_t by = 0; by < g.grid_y; ++by)

@@ -82,6 +82,7 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("rotary_qk_cache_", TORCH_BOX(&rope_ext::rotary_qk_cache_on<rope_ext::kCpu>));
   m.impl("qk_norm_rotary_", TORCH_BOX(&rope_ext::qk_norm_rotary_inplace_on<rope_ext::kCpu>));
   m.impl("qk_norm_rotary", TORCH_BOX(&rope_ext::qk_norm_rotary_on<rope_ext::kCpu>));
+  m.impl("qk_norm_rotary_packed_", TORCH_BOX(&rope_ext::qk_norm_rotary_packed_on<rope_ext::kCpu>));
 }
 
 // An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.

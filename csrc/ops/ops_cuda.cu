@@ -84,4 +84,5 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
   m.impl("rotary_qk_cache_", TORCH_BOX(&rope_ext::rotary_qk_cache_on<rope_ext::kCuda>));
   m.impl("qk_norm_rotary_", TORCH_BOX(&rope_ext::qk_norm_rotary_inplace_on<rope_ext::kCuda>));
   m.impl("qk_norm_rotary", TORCH_BOX(&rope_ext::qk_norm_rotary_on<rope_ext::kCuda>));
+  m.impl("qk_norm_rotary_packed_", TORCH_BOX(&rope_ext::qk_norm_rotary_packed_on<rope_ext::kCuda>));
 }

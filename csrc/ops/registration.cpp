@@ -38,7 +38,8 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   // into q_out instead when given, of q's dtype or fp8 with q_scale), then k
   // and v [T, Hk, Dv] stored at slot_mapping[t] of the paged caches ("NHD"
   // [blocks, block_size, Hk, D] or "HND" [blocks, Hk, block_size, D]), of q's
-  // dtype or fp8 with k_scale / v_scale. positions broadcast to [T, Hq] ([T, 1]).
+  // dtype or fp8 with k_scale / v_scale. positions [T] ([3, T] with
+  // mrope_section), or any shape broadcasting to [T, Hq] ([T, 1]).
   m.def(
       "rotary_qk_cache_(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, "
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor? k_scale=None, "
@@ -47,7 +48,8 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
   // QK-RMSNorm + rotary: each head of q [T, Hq, D] and k [T, Hk, D] RMS-
   // normalised over D (float32), scaled by weight + weight_offset, rounded to
-  // the dtype, then rotated; in place, or into new tensors.
+  // the dtype, then rotated; in place, or into new tensors. positions as for
+  // rotary_qk_cache_.
   m.def(
       "qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, "
       "Tensor positions, Tensor cos_sin, float eps=1e-06, bool interleaved=False, "
@@ -58,6 +60,12 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor cos_sin, float eps=1e-06, bool interleaved=False, float weight_offset=0., "
       "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) "
       "-> (Tensor, Tensor)");
+  // qk_norm_rotary_ on the q and k columns of a packed qkv [T, (Hq+Hk+Hv)*D].
+  m.def(
+      "qk_norm_rotary_packed_(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
+      "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps=1e-06, "
+      "bool interleaved=False, float weight_offset=0., int rotary_offset=0, "
+      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
   // The CPU kernel's instruction sets (csrc/rope/cpu.h), implemented in
   // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
   // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.

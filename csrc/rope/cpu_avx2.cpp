@@ -295,7 +295,7 @@ struct Avx2Head : ScalarTable {
 // 16 partial sums as two vectors, remainders element by element.
 
 template <class T>
-void norm_row8(const void* xv, void* yv, const void* wv, int n, float eps) {
+void norm_row8(const void* xv, void* yv, const void* wv, int n, double eps) {
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
   const float* w = static_cast<const float*>(wv);

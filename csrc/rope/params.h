@@ -147,8 +147,8 @@ struct NormParams {
   RopeParams rope;
   const void* weight[2];  // [head_dim] each, contiguous
   DType w_dtype[2];
-  float eps;
-  float weight_offset;
+  double eps;  // used as float32 for every dtype but float64
+  double weight_offset;
 };
 
 }  // namespace rope

@@ -94,7 +94,7 @@ ROPE_HD A load_weight(const void* w, DType t, int64_t i) {
 // 1 / sqrt(sum_sq / head_dim + eps): the RMSNorm scale of a head whose squares
 // sum to sum_sq (IEEE division and square root on the host and the device).
 template <class A>
-ROPE_HD A rms_inverse(A sum_sq, int head_dim, float eps) {
+ROPE_HD A rms_inverse(A sum_sq, int head_dim, double eps) {
 #if defined(__CUDA_ARCH__)
   return A(1) / sqrt(sum_sq / A(head_dim) + A(eps));
 #else

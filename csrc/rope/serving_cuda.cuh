@@ -68,8 +68,9 @@ inline CacheLaunch plan_cache_launch(const CacheParams& cp, int64_t num_sms,
   return l;
 }
 
+// (No token: the empty token dim of q and k makes their head counts 0.)
 inline bool cache_has_work(const CacheParams& cp, const CacheLaunch& l) {
-  return cp.rope.n_tokens > 0 && l.grid.block_x > 0 && cp.rope.t[0].n_heads + cp.n_kv_heads > 0;
+  return cp.rope.n_tokens > 0 && l.grid.block_x > 0 && cp.rope.t[1].n_heads > 0;
 }
 
 // Stores N values of T as fp8 bits (element by element).

@@ -17,7 +17,7 @@ namespace cpu {
 struct RowOps {
   // y[0, n) = x * rms * w, rounded to x's dtype, with rms the RMSNorm scale
   // (rms_inverse) of x[0, n); w holds n floats (doubles for float64). y may be x.
-  void (*norm[4])(const void* x, void* y, const void* w, int n, float eps);
+  void (*norm[4])(const void* x, void* y, const void* w, int n, double eps);
   // dst[0, n) = quantize_fp8(x[i], scale, t) (serving.h).
   void (*quant[4])(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t);
 };
@@ -46,7 +46,7 @@ A lane_total(const A (&part)[kNormLanes]) {
 }
 
 template <class T>
-void norm_row(const void* xv, void* yv, const void* wv, int n, float eps) {
+void norm_row(const void* xv, void* yv, const void* wv, int n, double eps) {
   using A = typename Acc<T>::type;
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
