@@ -41,4 +41,12 @@ timeout 240 "$PY" -m rope_ext.bench --device cuda --preset llama-3-8b --dtype bf
   --json "$OUTDIR/bench.json" --csv "$OUTDIR/bench.csv" --plot "$OUTDIR/bench.png" \
   2>&1 | tee "$OUTDIR/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== GPU benchmark: serving ops (RoPE + KV-cache write, fp8 cache, QK-RMSNorm + RoPE)"
+timeout 180 "$PY" -m rope_ext.bench --device cuda --preset llama-3-8b --dtype bf16 --pairing model \
+  --tokens 4096,16384 --decode-tokens 1,16,64 --mode cache,cache-fp8,qknorm --rounds 5 \
+  --min-run-time 0.02 --no-progress \
+  --json "$OUTDIR/bench-serving.json" --csv "$OUTDIR/bench-serving.csv" \
+  2>&1 | tee "$OUTDIR/bench-serving.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status

@@ -16,7 +16,8 @@ import functools
 import pytest
 import torch
 from _helpers import HAS_EMULATION, NO_EMULATION, make_cos_sin, ulp
-from hypothesis import HealthCheck, given, settings
+from _strategies import property_settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from torch.library import opcheck
@@ -637,7 +638,7 @@ def cache_cases(draw):
     return dtype, kw, draw(st.sampled_from([1, 4, 132])), draw(st.booleans())
 
 
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@property_settings()  # the existing ops' draws: 500 (more under the 'long' profile)
 @given(drawn=cache_cases())
 def test_property_matches_reference(drawn):
     """Random dtype, pairing, heads, D, rotary_dim and offset, T, layout, block size, cache dtype, q_out, slot

@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _helpers import HAS_EMULATION, NO_EMULATION, make_cos_sin, ulp
-from _strategies import bits
-from hypothesis import HealthCheck, given, settings
+from _strategies import bits, property_settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.library import opcheck
 
@@ -471,7 +471,7 @@ def norm_cases(draw):
     )
 
 
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@property_settings()  # the existing ops' draws: 500 (more under the 'long' profile)
 @given(case=norm_cases())
 def test_property_matches_reference(case):
     c = case
