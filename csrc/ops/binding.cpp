@@ -576,7 +576,7 @@ rope::CacheParams make_cache_params(
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, "k", "[T, Hk, D]");
   check_3d(v, "v", "[T, Hk, Dv]");
-  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2), Dv = v.size(2);
+  const int64_t T = q.size(0), Hk = k.size(1), D = q.size(2), Dv = v.size(2);
   ROPE_CHECK(ValueError, k.size(0) == T && v.size(0) == T, "q, k and v must have the same tokens T",
              " (dim 0), got shapes ", shape_str(q.sizes()), ", ", shape_str(k.sizes()), ", ",
              shape_str(v.sizes()));
@@ -699,7 +699,6 @@ rope::CacheParams make_cache_params(
   for (const auto& [c, cn] : {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"}})
     for (const auto& [x, xn] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
       check_disjoint(*c, cn, *x, xn);
-  (void)Hq;
   return cp;
 }
 
