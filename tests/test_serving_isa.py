@@ -1,7 +1,9 @@
-"""The serving ops' CPU row kernels (csrc/rope/serving_rows.h) under every instruction set this CPU runs.
+"""The serving ops' CPU kernels under every instruction set this CPU runs: the fp8 row kernels
+(csrc/rope/serving_rows.h) and the QK norm (csrc/rope/norm_kernel.h).
 
 The RMSNorm of a head and the fp8 quantization of a row compute the same bits in the portable and the
-AVX2 builds (16 fixed summation lanes, no fused products, round to nearest even), so: fp8 cache rows are
+AVX2 builds (16 fixed summation lanes added as a tree, no fused products, round to nearest even), so: fp8
+cache rows are
 bit-exact against torch's own conversion of ``x / scale`` saturated (special values and every tail length
 included), and the normalised pass-through features of the fused QK-norm (no rotation between) are
 bit-identical across sets.
@@ -99,3 +101,38 @@ def test_qk_norm_pass_features_identical_across_sets(dtype, dim):
     ulps = 64.0 if dtype == torch.float32 else 1.0
     ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((first.double() - want.double()).abs() <= ulps * ulp * 1.0001).all()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [26, 48, 64, 128, 160])
+def test_qk_norm_rotated_features_identical_across_sets(interleaved, dtype, dim):
+    """Under the identity rotation (cos 1, sin 0) of every feature, the rotated features are the normalised
+    values themselves (x * 1 - y * 0 is x in any rounding): every set's rotation paths (bf16 16-lane blocks,
+    8-lane blocks, scalar tails: dims 26, 48, 64, 128, 160 reach each) normalise to the bits of the portable
+    pass-through path."""
+    g = torch.Generator().manual_seed(dim + interleaved)
+    T, Hq, Hk, Hv = 5, 3, 2, 1
+    qkv = (torch.randn(T, (Hq + Hk + Hv) * dim, generator=g) * 4).to(dtype)
+    qw, kw = torch.randn(dim, generator=g), torch.randn(dim, generator=g).to(dtype)
+    pos = torch.randint(0, 8, (T,), generator=g)
+
+    def identity(width):
+        return torch.cat([torch.ones(8, width // 2), torch.zeros(8, width // 2)], dim=1)
+
+    def run(name, width):
+        previous = rope_ext._set_cpu_isa(name)
+        try:
+            out = qkv.clone()
+            rope_ext.apply_qk_norm_rotary_(
+                out, Hq, Hk, Hv, qw, kw, pos, identity(width), interleaved=interleaved, weight_offset=0.25
+            )
+            return out.unflatten(-1, (Hq + Hk + Hv, dim))[:, : Hq + Hk]
+        finally:
+            rope_ext._set_cpu_isa(previous)
+
+    passed = run("scalar", 2)  # features 2.. normalised by the pass-through path
+    for name in ISAS:
+        got = run(name, dim)
+        assert torch.equal(got[..., 2:], passed[..., 2:]), name
+        assert torch.equal(got, run("scalar", dim)), name

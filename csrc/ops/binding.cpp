@@ -546,15 +546,15 @@ const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const T
   return static_cast<const float*>(s->data_ptr());
 }
 
-void check_disjoint(const Tensor& a, const char* an, const Tensor& b, const char* bn) {
-  ROPE_CHECK(ValueError, !overlaps(Layout(a), Layout(b)), an, " and ", bn,
+void check_disjoint(const Layout& a, const char* an, const Layout& b, const char* bn) {
+  ROPE_CHECK(ValueError, !overlaps(a, b), an, " and ", bn,
              " overlap in memory; they must be separate tensors");
 }
 
-void check_no_self_overlap(const Tensor& t, const char* name) {
-  ROPE_CHECK(ValueError, !self_overlaps(Layout(t)), name,
+void check_no_self_overlap(const Layout& t, const char* name) {
+  ROPE_CHECK(ValueError, !self_overlaps(t), name,
              " has elements that overlap in memory (expanded or stride-0 view, strides ",
-             shape_str(t.strides()), "); it is written in place");
+             shape_str(t.stride), "); it is written in place");
 }
 
 // The rotation's tokens must be the T rows of q, one position each.
@@ -687,17 +687,20 @@ rope::CacheParams make_cache_params(
   cp.n_kv_heads = Hk;
 
   // What is written must not overlap itself or anything else the call reads or writes.
-  const Tensor& q_target = qo ? *qo : q;
-  check_no_self_overlap(q_target, qo ? "q_out" : "q");
-  check_no_self_overlap(k, "k");
-  check_no_self_overlap(key_cache, "key_cache");
-  check_no_self_overlap(value_cache, "value_cache");
-  check_disjoint(q_target, qo ? "q_out" : "q", k, "k");
-  if (qo) check_disjoint(*qo, "q_out", q, "q");
-  check_disjoint(k, "k", v, "v");
-  check_disjoint(key_cache, "key_cache", value_cache, "value_cache");
-  for (const auto& [c, cn] : {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"}})
-    for (const auto& [x, xn] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
+  // (Each layout read once: every query of a tensor is a call into libtorch.)
+  const Layout lq(q), lk(k), lv(v), lkc(key_cache), lvc(value_cache);
+  const Layout lqo = qo ? Layout(*qo) : lq;
+  const char* q_target = qo ? "q_out" : "q";
+  check_no_self_overlap(lqo, q_target);
+  check_no_self_overlap(lk, "k");
+  check_no_self_overlap(lkc, "key_cache");
+  check_no_self_overlap(lvc, "value_cache");
+  check_disjoint(lqo, q_target, lk, "k");
+  if (qo) check_disjoint(lqo, "q_out", lq, "q");
+  check_disjoint(lk, "k", lv, "v");
+  check_disjoint(lkc, "key_cache", lvc, "value_cache");
+  for (const auto& [c, cn] : {std::pair{&lkc, "key_cache"}, {&lvc, "value_cache"}})
+    for (const auto& [x, xn] : {std::pair{&lq, "q"}, {&lk, "k"}, {&lv, "v"}})
       check_disjoint(*c, cn, *x, xn);
   return cp;
 }
@@ -799,6 +802,20 @@ void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
   run_norm(np, q, backend);
 }
 
+namespace {
+
+// The view of t with these sizes and strides whose first element is t's
+// element `offset` (in storage order), made by the C shim itself: a view op
+// through the dispatcher would cost microseconds per call.
+Tensor raw_view(const Tensor& t, IntRef sizes, IntRef strides, int64_t offset) {
+  AtenTensorHandle ret = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(
+      t.get(), int64_t(sizes.size()), sizes.data(), strides.data(), offset, &ret));
+  return Tensor(ret);
+}
+
+}  // namespace
+
 void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
                             int64_t num_heads_v, const Tensor& q_weight, const Tensor& k_weight,
                             const Tensor& positions, const Tensor& cos_sin, double eps,
@@ -818,12 +835,10 @@ void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_
              "qkv must have a contiguous last dim (stride 1), got strides ",
              shape_str(qkv.strides()));
   const int64_t T = qkv.size(0), D = width / heads;
-  Tensor packed = qkv;
   const int64_t q_shape[3] = {T, num_heads_q, D}, k_shape[3] = {T, num_heads_k, D};
-  const Tensor q =
-      torch::stable::view(torch::stable::narrow(packed, 1, 0, num_heads_q * D), q_shape);
-  const Tensor k = torch::stable::view(
-      torch::stable::narrow(packed, 1, num_heads_q * D, num_heads_k * D), k_shape);
+  const int64_t strides[3] = {qkv.stride(0), D, 1};
+  const Tensor q = raw_view(qkv, q_shape, strides, 0);
+  const Tensor k = raw_view(qkv, k_shape, strides, num_heads_q * D);
   qk_norm_rotary_(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved, weight_offset,
                   rotary_offset, mrope_section, mrope_interleaved, backend);
 }

@@ -25,6 +25,7 @@
 #endif
 
 #include "cpu_kernel.h"
+#include "norm_kernel.h"
 #include "serving_rows.h"
 
 namespace rope {
@@ -288,37 +289,176 @@ struct Avx2Head : ScalarTable {
                      bool copy_pass) {
     ScalarHead::rotate<double, Interleaved, double>(in, out, tab, r, D, copy_pass);
   }
+
+  // --- QK-RMSNorm + rotary (norm_kernel.h), one pass per head ---
+
+  // bf16: the weights of the rotated features in load16's lane order (as the
+  // table's copy).
+  template <class T, bool Interleaved, class A>
+  static void weights_in_lane_order(NormWeights<A>& nw, int r, int off) {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      const int n = Interleaved ? r : r / 2;  // runs of features: one, or the two halves
+      for (int part = 0; part < r; part += n) {
+        const A* w = nw.w + off + part;
+        A* rot = nw.rot + part;
+        int b = 0;
+        for (; b + 16 <= n; b += 16)
+          for (int k = 0; k < 16; ++k) rot[b + k] = w[b + lane16(k)];
+        for (; b < n; ++b) rot[b] = w[b];
+      }
+    }
+  }
+
+  // x * rms * w rounded to T, as floats (bf16: round_bf16 with the low half
+  // cleared; its NaN condition holds: x is bf16, rms a float result, and
+  // norm_rotate_tokens_impl makes every NaN weight the canonical one).
+  template <class T>
+  static __m256 normed8(__m256 x, __m256 rms, __m256 w) {
+    const __m256 n = _mm256_mul_ps(_mm256_mul_ps(x, rms), w);
+    if constexpr (std::is_same_v<T, BFloat16>)
+      return _mm256_castsi256_ps(
+          _mm256_and_si256(round_bf16(n), _mm256_set1_epi32(int(0xffff0000u))));
+    else if constexpr (std::is_same_v<T, Half>)
+      return _mm256_cvtph_ps(_mm256_cvtps_ph(n, _MM_FROUND_TO_NEAREST_INT));
+    else
+      return n;
+  }
+
+  // The RMSNorm scale of a head: 16 lanes as two vectors (bf16: load16's even
+  // and odd features; others: features 0-7 and 8-15 of each block of 16),
+  // added as lane_total's tree.
+  template <class T, class A>
+  __attribute__((always_inline)) static A norm_scale(const T* in, int D, double eps) {
+    if constexpr (std::is_same_v<T, double>) {
+      return PortableNorm::norm_scale<T, A>(in, D, eps);
+    } else {
+      constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
+      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+      int i = 0;
+      for (; i + 16 <= D; i += 16) {
+        __m256 a, b;
+        if constexpr (kBf16) {
+          load16(in + i, a, b);
+        } else {
+          a = load8(in + i);
+          b = load8(in + i + 8);
+        }
+        s0 = _mm256_add_ps(s0, _mm256_mul_ps(a, a));
+        s1 = _mm256_add_ps(s1, _mm256_mul_ps(b, b));
+      }
+      if constexpr (kBf16) {
+        // Lanes 0-7 and 8-15 in feature order.
+        const __m256 lo = _mm256_unpacklo_ps(s0, s1), hi = _mm256_unpackhi_ps(s0, s1);
+        s0 = _mm256_permute2f128_ps(lo, hi, 0x20);
+        s1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+      }
+      float total;
+      if (i == D) {
+        const __m256 t8 = _mm256_add_ps(s0, s1);
+        const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+        const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        total = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+      } else {
+        float part[kNormLanes];
+        _mm256_storeu_ps(part, s0);
+        _mm256_storeu_ps(part + 8, s1);
+        for (int k = 0; i + k < D; ++k) {
+          const float v = to_acc(in[i + k]);
+          part[k] += v * v;
+        }
+        total = lane_total(part);
+      }
+      return rms_inverse<float>(total, D, eps);
+    }
+  }
+
+  // Normalises a head with its scale and rotates it, in the loops of rotate().
+  template <class T, bool Interleaved, class A>
+  __attribute__((always_inline)) static void norm_rotate(const T* in, T* out,
+                                                         const NormWeights<A>& nw, const A* tab,
+                                                         int r_, int off, int D, A rms) {
+    if constexpr (std::is_same_v<T, double>) {
+      PortableNorm::norm_rotate<T, Interleaved, A>(in, out, nw, tab, r_, off, D, rms);
+    } else {
+      constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
+      const int r = R ? R : r_;
+      const int h = r / 2;
+      const __m256 vr = _mm256_set1_ps(rms);
+      const float* w = nw.w;
+
+      // Features before and after the rotated ones.
+      auto pass = [&](int a, int b) {
+        int k = a;
+        for (; k + 8 <= b; k += 8)
+          store8(out + k, _mm256_mul_ps(_mm256_mul_ps(load8(in + k), vr), _mm256_loadu_ps(w + k)));
+        norm_pass<T, float>(in, out, w, rms, k, b);
+      };
+      pass(0, off);
+      pass(off + r, D);
+
+      // The rotated features, as rotate() does with the normalised values.
+      const T* x = in + off;
+      T* y = out + off;
+      const float* wo = w + off;
+      int j = 0;  // pairs done
+      if (Interleaved) {
+        if constexpr (kBf16) {
+          const float* tp = tab + 2 * r;
+          for (; 2 * j + 16 <= r; j += 8) {
+            const int k = 2 * j;
+            __m256 lo, hi;
+            load16(x + k, lo, hi);
+            lo = normed8<T>(lo, vr, _mm256_loadu_ps(nw.rot + k));
+            hi = normed8<T>(hi, vr, _mm256_loadu_ps(nw.rot + k + 8));
+            const __m256 ylo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(tp + k),
+                                               _mm256_mul_ps(hi, _mm256_loadu_ps(tp + r + k)));
+            const __m256 yhi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(tp + k + 8),
+                                               _mm256_mul_ps(lo, _mm256_loadu_ps(tp + r + k + 8)));
+            store16(y + k, ylo, yhi);
+          }
+        }
+        for (; 2 * j + 8 <= r; j += 4) {
+          const __m256 v = normed8<T>(load8(x + 2 * j), vr, _mm256_loadu_ps(wo + 2 * j));
+          const __m256 vs = _mm256_permute_ps(v, 0xB1);
+          store8(y + 2 * j, _mm256_fmadd_ps(v, _mm256_loadu_ps(tab + 2 * j),
+                                            _mm256_mul_ps(vs, _mm256_loadu_ps(tab + r + 2 * j))));
+        }
+      } else {
+        if constexpr (kBf16) {
+          const float* tp = tab + 2 * r;
+          for (; j + 16 <= h; j += 16) {
+            __m256 x1l, x1h, x2l, x2h;
+            load16(x + j, x1l, x1h);
+            load16(x + h + j, x2l, x2h);
+            x1l = normed8<T>(x1l, vr, _mm256_loadu_ps(nw.rot + j));
+            x1h = normed8<T>(x1h, vr, _mm256_loadu_ps(nw.rot + j + 8));
+            x2l = normed8<T>(x2l, vr, _mm256_loadu_ps(nw.rot + h + j));
+            x2h = normed8<T>(x2h, vr, _mm256_loadu_ps(nw.rot + h + j + 8));
+            const __m256 cl = _mm256_loadu_ps(tp + j), ch = _mm256_loadu_ps(tp + j + 8);
+            const __m256 sl = _mm256_loadu_ps(tp + h + j), sh = _mm256_loadu_ps(tp + h + j + 8);
+            store16(y + j, _mm256_fmsub_ps(x1l, cl, _mm256_mul_ps(x2l, sl)),
+                    _mm256_fmsub_ps(x1h, ch, _mm256_mul_ps(x2h, sh)));
+            store16(y + h + j, _mm256_fmadd_ps(x2l, cl, _mm256_mul_ps(x1l, sl)),
+                    _mm256_fmadd_ps(x2h, ch, _mm256_mul_ps(x1h, sh)));
+          }
+        }
+        for (; j + 8 <= h; j += 8) {
+          const __m256 x1 = normed8<T>(load8(x + j), vr, _mm256_loadu_ps(wo + j));
+          const __m256 x2 = normed8<T>(load8(x + h + j), vr, _mm256_loadu_ps(wo + h + j));
+          const __m256 c = _mm256_loadu_ps(tab + j);
+          const __m256 s = _mm256_loadu_ps(tab + h + j);
+          store8(y + j, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
+          store8(y + h + j, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
+        }
+      }
+      norm_rotate_pairs<T, Interleaved, float>(in, out, w, rms, tab, r, off, j);
+    }
+  }
 };
 
 // ---------------------------------------------------------------------------
-// Row kernels of the serving ops (serving_rows.h): eight lanes at a time, the
-// 16 partial sums as two vectors, remainders element by element.
-
-template <class T>
-void norm_row8(const void* xv, void* yv, const void* wv, int n, double eps) {
-  const T* x = static_cast<const T*>(xv);
-  T* y = static_cast<T*>(yv);
-  const float* w = static_cast<const float*>(wv);
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 a = load8(x + i), b = load8(x + i + 8);
-    lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
-    hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
-  }
-  float part[kNormLanes];
-  _mm256_storeu_ps(part, lo);
-  _mm256_storeu_ps(part + 8, hi);
-  for (int k = 0; i + k < n; ++k) {
-    const float v = to_acc(x[i + k]);
-    part[k] += v * v;
-  }
-  const float r = rms_inverse<float>(lane_total(part), n, eps);
-  const __m256 rms = _mm256_set1_ps(r);
-  for (i = 0; i + 8 <= n; i += 8)
-    store8(y + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), rms), _mm256_loadu_ps(w + i)));
-  for (; i < n; ++i) y[i] = Store<T>::from(to_acc(x[i]) * r * w[i]);
-}
+// Row kernel of the serving ops (serving_rows.h): eight lanes at a time,
+// remainders element by element.
 
 // float8 bits of eight scaled and saturated floats (float_to_e4m3 /
 // float_to_e5m2 of serving.h), in the low byte of each lane.
@@ -369,13 +509,24 @@ void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
 }  // namespace host
 }  // namespace ROPE_ISA
 
-const cpu::RowOps cpu::detail::kRowsAvx2{{host::norm_row8<float>, host::norm_row<double>,
-                                          host::norm_row8<Half>, host::norm_row8<BFloat16>},
-                                         {host::quant_row8<float>, host::quant_row<double>,
+const cpu::RowOps cpu::detail::kRowsAvx2{{host::quant_row8<float>, host::quant_row<double>,
                                           host::quant_row8<Half>, host::quant_row8<BFloat16>}};
 
 void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
   host::rotate_tokens_unrolled<host::Avx2Head>(p, begin, end);
+}
+
+void cpu::detail::norm_rotate_tokens_avx2(const NormParams& np, int64_t begin, int64_t end) {
+  dispatch_types(np.rope, [&]<class T, class CS, class Pos, bool IL>() {
+    switch (np.rope.rotary_dim) {
+      case 64:
+        return host::norm_rotate_tokens_impl<T, CS, Pos, IL, host::Avx2Head<64>>(np, begin, end);
+      case 128:
+        return host::norm_rotate_tokens_impl<T, CS, Pos, IL, host::Avx2Head<128>>(np, begin, end);
+      default:
+        return host::norm_rotate_tokens_impl<T, CS, Pos, IL, host::Avx2Head<0>>(np, begin, end);
+    }
+  });
 }
 
 #endif  // ROPE_HAVE_AVX2

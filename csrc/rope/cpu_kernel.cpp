@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "cpu.h"
+#include "norm_kernel.h"
 #include "serving_rows.h"
 
 namespace rope {
@@ -19,15 +20,23 @@ void detail::rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t en
   });
 }
 
+void detail::norm_rotate_tokens_scalar(const NormParams& np, int64_t begin, int64_t end) {
+  dispatch_types(np.rope, [&]<class T, class CS, class Pos, bool IL>() {
+    host::norm_rotate_tokens_impl<T, CS, Pos, IL, host::ScalarHead>(np, begin, end);
+  });
+}
+
 namespace {
 
 using Kernel = void (*)(const RopeParams&, int64_t, int64_t);
+using NormKernel = void (*)(const NormParams&, int64_t, int64_t);
 
 struct Isa {
   const char* name;
   int rank;  // the environment variable's order: the best set of rank <= the one asked for
   Kernel kernel;
   bool (*supported)();
+  NormKernel norm;     // the fused QK-RMSNorm + rotary
   const RowOps* rows;  // the serving ops' row kernels
 };
 
@@ -46,21 +55,28 @@ bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf
 bool always() { return true; }
 
 constexpr Isa kIsas[] = {
-    {"scalar", 0, detail::rotate_tokens_scalar, always, &detail::kRowsScalar},
-    {"avx2", 1, detail::rotate_tokens_avx2, has_avx2, &detail::kRowsAvx2},
-    {"avx512", 2, detail::rotate_tokens_avx512, has_avx512, &detail::kRowsAvx2},
-    {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16, &detail::kRowsAvx2},
+    {"scalar", 0, detail::rotate_tokens_scalar, always, detail::norm_rotate_tokens_scalar,
+     &detail::kRowsScalar},
+    {"avx2", 1, detail::rotate_tokens_avx2, has_avx2, detail::norm_rotate_tokens_avx2,
+     &detail::kRowsAvx2},
+    {"avx512", 2, detail::rotate_tokens_avx512, has_avx512, detail::norm_rotate_tokens_avx2,
+     &detail::kRowsAvx2},
+    {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16,
+     detail::norm_rotate_tokens_avx2, &detail::kRowsAvx2},
 };
 #elif defined(__aarch64__)
 bool always() { return true; }  // Advanced SIMD is part of every aarch64 CPU
 constexpr Isa kIsas[] = {
-    {"scalar", 0, detail::rotate_tokens_scalar, always, &detail::kRowsScalar},
-    {"neon", 1, detail::rotate_tokens_neon, always, &detail::kRowsScalar},
+    {"scalar", 0, detail::rotate_tokens_scalar, always, detail::norm_rotate_tokens_scalar,
+     &detail::kRowsScalar},
+    {"neon", 1, detail::rotate_tokens_neon, always, detail::norm_rotate_tokens_scalar,
+     &detail::kRowsScalar},
 };
 #else
 bool always() { return true; }
 constexpr Isa kIsas[] = {
-    {"scalar", 0, detail::rotate_tokens_scalar, always, &detail::kRowsScalar},
+    {"scalar", 0, detail::rotate_tokens_scalar, always, detail::norm_rotate_tokens_scalar,
+     &detail::kRowsScalar},
 };
 #endif
 constexpr int kNumIsas = int(sizeof(kIsas) / sizeof(kIsas[0]));
@@ -100,6 +116,10 @@ std::atomic<int>& current() {
 
 void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
   kIsas[current().load(std::memory_order_relaxed)].kernel(p, begin, end);
+}
+
+void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end) {
+  kIsas[current().load(std::memory_order_relaxed)].norm(np, begin, end);
 }
 
 const RowOps& row_ops() { return *kIsas[current().load(std::memory_order_relaxed)].rows; }

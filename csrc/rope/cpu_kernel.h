@@ -25,6 +25,9 @@ void rotate_tokens_avx512_bf16(const RopeParams& p, int64_t begin, int64_t end);
 void rotate_tokens_neon(const RopeParams& p, int64_t begin, int64_t end);
 // The portable build.
 void rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t end);
+// The fused QK-RMSNorm + rotary (norm_kernel.h): portable and AVX2 builds.
+void norm_rotate_tokens_scalar(const NormParams& np, int64_t begin, int64_t end);
+void norm_rotate_tokens_avx2(const NormParams& np, int64_t begin, int64_t end);
 }  // namespace detail
 }  // namespace cpu
 
@@ -98,27 +101,32 @@ struct HeadWalker {
   }
 };
 
-// Rotates tokens [begin, end): per token, one position and one cos/sin row are
-// read (MRoPE: three positions, each pair from the row of its section) and
-// turned into `tab` (sign of sin flipped for the inverse), then every head of
-// q and k is rotated with it by Head::rotate.
+// The cos/sin table of one token for Head (its layout: Head::build_table):
+// per token, one position and one cos/sin row are read (MRoPE: three
+// positions, each pair from the row of its section), with the sign of sin
+// flipped for the inverse rotation.
 template <class T, class CS, class Pos, bool Interleaved, class Head>
-void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
+class TokenTable {
+ public:
   using A = typename Acc<T>::type;
-  const int r = p.rotary_dim;
-  const int off = p.rot_offset;
-  const int D = p.head_dim - off;  // features from the first rotated one to the end
-  std::vector<A> tab(size_t(Head::kTabPerFeature) * size_t(r));
-  const CS* cs = static_cast<const CS*>(p.cos_sin);
-  const A sign = p.inverse ? A(-1) : A(1);
-  const bool mrope = is_mrope(p);
-  std::vector<CS> merged(mrope ? size_t(r) : 0);  // MRoPE: the token's cos/sin row, pair by pair
-  std::vector<uint8_t> section(mrope ? size_t(r / 2) : 0);  // MRoPE: the section of each pair
-  for (size_t j = 0; j < section.size(); ++j) section[j] = uint8_t(mrope_row(p, int(j)));
 
-  for (int64_t token = begin; token < end; ++token) {
-    const TokenOffsets o = token_offsets(p, token);
-    if (mrope) {
+  explicit TokenTable(const RopeParams& p)
+      : p_(p),
+        tab_(size_t(Head::kTabPerFeature) * size_t(p.rotary_dim)),
+        mrope_(is_mrope(p)),
+        merged_(mrope_ ? size_t(p.rotary_dim) : 0),
+        section_(mrope_ ? size_t(p.rotary_dim / 2) : 0) {
+    for (size_t j = 0; j < section_.size(); ++j) section_[j] = uint8_t(mrope_row(p, int(j)));
+  }
+
+  // The table of the token at offsets o.
+  const A* build(const TokenOffsets& o) {
+    const RopeParams& p = p_;
+    const int r = p.rotary_dim;
+    const CS* cs = static_cast<const CS*>(p.cos_sin);
+    const A sign = p.inverse ? A(-1) : A(1);
+    A* tab = tab_.data();
+    if (mrope_) {
       // Each pair from the row of its section's position (NaN where that is
       // outside the cache), then the table as usual.
       const int h = r / 2;
@@ -134,18 +142,18 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       // merged row.
       bool built = all_in && rows[0] == rows[1] && rows[1] == rows[2];
       if (built) {
-        Head::template build_table<T, CS, Interleaved, A>(rows[0], sign, tab.data(), r);
+        Head::template build_table<T, CS, Interleaved, A>(rows[0], sign, tab, r);
       } else if constexpr (requires {
                              Head::template build_table_mrope<T, CS, Interleaved, A>(
-                                 rows, section.data(), sign, tab.data(), r);
+                                 rows, section_.data(), sign, tab, r);
                            }) {
         built = all_in && Head::template build_table_mrope<T, CS, Interleaved, A>(
-                              rows, section.data(), sign, tab.data(), r);
+                              rows, section_.data(), sign, tab, r);
       }
       if (!built) {
+        CS* m = merged_.data();
         if (all_in && !p.mrope_interleaved) {
           // Contiguous sections: three runs of pairs, cos and sin halves each.
-          CS* m = merged.data();
           for (int s = 0, j0 = 0; s < 3; j0 += p.mrope_section[s++]) {
             const CS* row = rows[s];
             for (int j = j0; j < j0 + p.mrope_section[s]; ++j) {
@@ -155,21 +163,44 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
           }
         } else {
           for (int j = 0; j < h; ++j) {
-            const CS* row = rows[section[j]];
+            const CS* row = rows[section_[j]];
             const CS nan = Store<CS>::from(std::numeric_limits<float>::quiet_NaN());
-            merged[j] = row ? row[j] : nan;
-            merged[h + j] = row ? row[h + j] : nan;
+            m[j] = row ? row[j] : nan;
+            m[h + j] = row ? row[h + j] : nan;
           }
         }
-        Head::template build_table<T, CS, Interleaved, A>(merged.data(), sign, tab.data(), r);
+        Head::template build_table<T, CS, Interleaved, A>(m, sign, tab, r);
       }
     } else if (const int64_t pos = load_position<Pos>(p, o.pos); !position_in_cache(p, pos)) {
       // Never read outside the cache: the rotated features become NaN.
-      std::fill(tab.begin(), tab.end(), std::numeric_limits<A>::quiet_NaN());
+      std::fill(tab_.begin(), tab_.end(), std::numeric_limits<A>::quiet_NaN());
     } else {
-      Head::template build_table<T, CS, Interleaved, A>(cs + pos * p.cs_row_stride, sign,
-                                                        tab.data(), r);
+      Head::template build_table<T, CS, Interleaved, A>(cs + pos * p.cs_row_stride, sign, tab, r);
     }
+    return tab;
+  }
+
+ private:
+  const RopeParams& p_;
+  std::vector<A> tab_;
+  bool mrope_;
+  std::vector<CS> merged_;        // MRoPE: the token's cos/sin row, pair by pair
+  std::vector<uint8_t> section_;  // MRoPE: the section of each pair
+};
+
+// Rotates tokens [begin, end): per token, the table (TokenTable), then every
+// head of q and k is rotated with it by Head::rotate.
+template <class T, class CS, class Pos, bool Interleaved, class Head>
+void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
+  using A = typename Acc<T>::type;
+  const int r = p.rotary_dim;
+  const int off = p.rot_offset;
+  const int D = p.head_dim - off;  // features from the first rotated one to the end
+  TokenTable<T, CS, Pos, Interleaved, Head> table(p);
+
+  for (int64_t token = begin; token < end; ++token) {
+    const TokenOffsets o = token_offsets(p, token);
+    const A* tab = table.build(o);
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
       // Heads are addressed from their first rotated feature; features before
@@ -182,21 +213,20 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
         const int64_t so = t.n_head_dims ? t.out_head_stride[0] : 0;
         if constexpr (requires {
                         Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, int64_t{},
-                                                                       tab.data(), D, copy_pass);
+                                                                       tab, D, copy_pass);
                       }) {
           // A head type that keeps the table in registers across the heads.
-          Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, t.n_heads, tab.data(), D,
+          Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, t.n_heads, tab, D,
                                                          copy_pass);
         } else {
           for (int64_t head = 0; head < t.n_heads; ++head)
-            Head::template rotate<T, Interleaved, A>(in + head * si, out + head * so, tab.data(), r,
-                                                     D, copy_pass);
+            Head::template rotate<T, Interleaved, A>(in + head * si, out + head * so, tab, r, D,
+                                                     copy_pass);
         }
       } else {
         HeadWalker w(t);
         for (int64_t head = 0; head < t.n_heads; ++head, w.next())
-          Head::template rotate<T, Interleaved, A>(in + w.in, out + w.out, tab.data(), r, D,
-                                                   copy_pass);
+          Head::template rotate<T, Interleaved, A>(in + w.in, out + w.out, tab, r, D, copy_pass);
       }
       if (copy_pass && off > 0) {
         HeadWalker w(t);

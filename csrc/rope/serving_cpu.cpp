@@ -1,8 +1,8 @@
-// CPU kernels of the serving ops (cpu.h). Each works on a few tokens at a
-// time so that what one step writes is still in cache for the next: the
-// rotation is the vectorized kernel of rotate_tokens, the RMSNorm of a head
-// and the fp8 quantization of a row are the row kernels (serving_rows.h) of
-// the same instruction set, and the cache stores are row copies.
+// CPU kernel of the RoPE + KV-cache write (cpu.h). It works on a few tokens
+// at a time so that what one step writes is still in cache for the next: the
+// rotation is the vectorized kernel of rotate_tokens, the fp8 quantization of
+// a row is the row kernel (serving_rows.h) of the same instruction set, and
+// the cache stores are row copies. (The fused QK norm is norm_kernel.h.)
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -112,49 +112,6 @@ void cache_step(const CacheParams& cp, int64_t begin, int64_t end) {
   }
 }
 
-template <class T>
-void norm_step(const NormParams& np, const typename Acc<T>::type* const w[2], int64_t begin,
-               int64_t end) {
-  const RopeParams& p = np.rope;
-  const int64_t D = p.head_dim;
-  const auto norm = row_ops().norm[int(dtype_of<T>())];
-  for (int64_t token = begin; token < end; ++token) {
-    const TokenOffsets o = token_offsets(p, token);
-    for (int t = 0; t < 2; ++t) {
-      for (int64_t h = 0; h < p.t[t].n_heads; ++h) {
-        int64_t hin, hout;
-        head_offsets(p.t[t], h, hin, hout);
-        norm(static_cast<const T*>(p.t[t].in) + o.in[t] + hin,
-             static_cast<T*>(p.t[t].out) + o.out[t] + hout, w[t], int(D), np.eps);
-      }
-    }
-  }
-  // Rotate the normalised heads in place.
-  RopeParams r = slice_tokens(p, begin, end);
-  for (int t = 0; t < 2; ++t) {
-    RotTensor& rt = r.t[t];
-    rt.in = rt.out;
-    rt.copy_pass = false;
-    for (int d = 0; d < r.n_tok_dims; ++d) rt.in_tok_stride[d] = rt.out_tok_stride[d];
-    for (int d = 0; d < rt.n_head_dims; ++d) rt.in_head_stride[d] = rt.out_head_stride[d];
-  }
-  rotate_tokens(r, 0, end - begin);
-}
-
-template <class T>
-void norm_tokens(const NormParams& np, int64_t begin, int64_t end) {
-  using A = typename Acc<T>::type;
-  // weight + weight_offset, once per call.
-  A wq[kMaxNormHeadDim], wk[kMaxNormHeadDim];
-  A* w[2] = {wq, wk};
-  for (int t = 0; t < 2; ++t)
-    for (int64_t i = 0; i < np.rope.head_dim; ++i)
-      w[t][i] = load_weight<A>(np.weight[t], np.w_dtype[t], i) + A(np.weight_offset);
-  const A* cw[2] = {wq, wk};
-  for (int64_t b = begin; b < end; b += kStepTokens)
-    norm_step<T>(np, cw, b, std::min(end, b + kStepTokens));
-}
-
 template <class F>
 void dispatch_x(DType t, F&& f) {
   switch (t) {
@@ -177,10 +134,6 @@ void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end) 
     for (int64_t b = begin; b < end; b += kStepTokens)
       cache_step<T>(cp, b, std::min(end, b + kStepTokens));
   });
-}
-
-void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end) {
-  dispatch_x(np.rope.x_dtype, [&](auto x) { norm_tokens<decltype(x)>(np, begin, end); });
 }
 
 }  // namespace cpu
