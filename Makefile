@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) torch ninja setuptools wheel build
-	$(PIP) pytest hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format
+	$(PIP) pytest pytest-xdist hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format
 	touch $@
 
 build: $(EXT_STAMP)
@@ -33,8 +33,12 @@ $(EXT_STAMP): $(VENV)/.installed $(SOURCES)
 	$(PY) setup.py -q build_ext --inplace
 	mkdir -p build && touch $@
 
+# Test files run side by side, PYTEST_WORKERS at a time (pytest-xdist; a file stays on one worker, so
+# its fixtures are built once); 0 runs them in this process.
+PYTEST_WORKERS ?= 2
+
 test: build
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 bench: build
 	$(PY) -m rope_ext.bench --quick $(BENCH_ARGS)
