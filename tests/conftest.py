@@ -35,3 +35,22 @@ def device(request):
     if request.param == "cuda" and not HAS_CUDA:
         pytest.skip("no CUDA device")
     return torch.device(request.param)
+
+
+# Files that take minutes (builds, compilers, child processes) run first: with pytest-xdist (`make test`) they
+# then overlap the many short files instead of ending the run on one worker while the others idle.
+_SLOW_FILES_FIRST = (
+    "test_export_aoti.py",
+    "test_wheel.py",
+    "test_layers.py",
+    "test_neon.py",
+    "test_cpu_isa.py",
+    "test_cmake.py",
+    "test_distributed_models.py",
+    "test_build.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file stays

@@ -506,11 +506,27 @@ void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
   for (; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
 }
 
+// Whole 32-byte-aligned rows (every cache row of D >= 16 16-bit values in a
+// torch allocation) with streaming stores; others with memcpy.
+void copy_row_nt(const void* x, void* dst, int64_t bytes) {
+  if ((reinterpret_cast<uintptr_t>(dst) | uintptr_t(bytes)) % 32 != 0)
+    return copy_row(x, dst, bytes);
+  const char* src = static_cast<const char*>(x);
+  char* d = static_cast<char*>(dst);
+  for (int64_t i = 0; i < bytes; i += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+}
+
+void store_fence() { _mm_sfence(); }
+
 }  // namespace host
 }  // namespace ROPE_ISA
 
 const cpu::RowOps cpu::detail::kRowsAvx2{{host::quant_row8<float>, host::quant_row<double>,
-                                          host::quant_row8<Half>, host::quant_row8<BFloat16>}};
+                                          host::quant_row8<Half>, host::quant_row8<BFloat16>},
+                                         host::copy_row_nt,
+                                         host::store_fence};
 
 void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
   host::rotate_tokens_unrolled<host::Avx2Head>(p, begin, end);

@@ -63,7 +63,7 @@ void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t s
   if (cp.cache_fp8 != Fp8::kNone)
     quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8);
   else
-    std::memcpy(static_cast<T*>(c.data) + off, x, size_t(n) * sizeof(T));
+    row_ops().copy(x, static_cast<T*>(c.data) + off, n * int64_t(sizeof(T)));
 }
 
 template <class T>
@@ -134,6 +134,7 @@ void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end) 
     for (int64_t b = begin; b < end; b += kStepTokens)
       cache_step<T>(cp, b, std::min(end, b + kStepTokens));
   });
+  row_ops().fence();  // the streaming stores of this thread's rows
 }
 
 }  // namespace cpu

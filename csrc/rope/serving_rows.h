@@ -5,16 +5,24 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "serving.h"
 
 namespace rope {
 namespace cpu {
 
-// Function tables indexed by DType (float32, float64, float16, bfloat16).
+// Function tables indexed by DType (float32, float64, float16, bfloat16),
+// and the cache-row copy.
 struct RowOps {
   // dst[0, n) = quantize_fp8(x[i], scale, t) (serving.h).
   void (*quant[4])(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t);
+  // dst[0, bytes) = x[0, bytes): a KV-cache row. The vector builds write
+  // whole aligned rows with non-temporal stores (a row is written once, to a
+  // line not in cache: no read for ownership); a thread calls fence() after
+  // its last row, before the op returns.
+  void (*copy)(const void* x, void* dst, int64_t bytes);
+  void (*fence)();
 };
 
 // The row kernels of the instruction set in use (cpu_kernel.cpp).
@@ -36,9 +44,16 @@ void quant_row(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
   for (int64_t i = 0; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
 }
 
+inline void copy_row(const void* x, void* dst, int64_t bytes) {
+  std::memcpy(dst, x, size_t(bytes));
+}
+inline void no_fence() {}
+
 // The portable table.
 inline constexpr cpu::RowOps kPortableRows{
-    {quant_row<float>, quant_row<double>, quant_row<Half>, quant_row<BFloat16>}};
+    {quant_row<float>, quant_row<double>, quant_row<Half>, quant_row<BFloat16>},
+    copy_row,
+    no_fence};
 
 }  // namespace host
 }  // namespace ROPE_ISA
