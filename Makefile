@@ -34,11 +34,12 @@ $(EXT_STAMP): $(VENV)/.installed $(SOURCES)
 	mkdir -p build && touch $@
 
 # Test files run side by side, PYTEST_WORKERS at a time (pytest-xdist; a file stays on one worker, so
-# its fixtures are built once); 0 runs them in this process.
+# its fixtures are built once), in the order tests/conftest.py gives them (the multi-minute files first);
+# 0 runs them in this process.
 PYTEST_WORKERS ?= 2
 
 test: build
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(PYTEST_ARGS)
 
 bench: build
 	$(PY) -m rope_ext.bench --quick $(BENCH_ARGS)
