@@ -1,15 +1,15 @@
 // CPU kernel of the fused QK-RMSNorm + rotary: the token loop and the
 // portable head, shared by the portable build (cpu_kernel.cpp) and the AVX2
-// build (cpu_avx2.cpp, whose head type vectorizes the same steps). One pass
-// per head: the sum of squares, then every feature normalised (x * rms * w,
-// rounded to the storage type) and, for the rotary features, rotated in
-// registers before the one store. Torch-free.
+// build (cpu_avx2.cpp, whose head type vectorizes the same steps). Per token,
+// the RMSNorm scale of each head (sum of squares), then one pass per head:
+// every feature normalised (x * rms * w, rounded to the storage type) and, for
+// the rotary features, rotated in registers before the one store. Torch-free.
 //
 // Every instruction set computes the same normalised values, bit for bit: the
 // sum of squares runs in 16 fixed lanes (lane k takes features i = k mod 16,
-// in order; the lanes are then added 0..15), products are not fused, and
-// (x * rms) * w is rounded to nearest even. Only the rotation itself may fuse
-// its multiply-adds, as in rotate_tokens.
+// in order; the lanes are then added as lane_total's tree), products are not
+// fused, and (x * rms) * w is rounded to nearest even. Only the rotation
+// itself may fuse its multiply-adds, as in rotate_tokens.
 #pragma once
 
 #include <algorithm>
