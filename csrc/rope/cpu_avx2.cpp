@@ -228,10 +228,21 @@ struct Avx2Head : ScalarTable {
     }
   }
 
-  // float / Half / BFloat16: sixteen (bf16) or eight lanes at a time, scalar tail.
-  template <class T, bool Interleaved, class A>
-  __attribute__((always_inline)) static void rotate(const T* in, T* out, const float* tab, int r_,
-                                                    int D, bool copy_pass) {
+  // What the vector loops of rotate_vector do to the values they load before
+  // rotating them: nothing (rotate), or the QK norm's normalisation
+  // (norm_rotate). `lanes` takes the 8 values of load16's lane order that
+  // start at rotated feature i, `plain` 8 consecutive ones.
+  struct NoPrep {
+    __m256 lanes(__m256 v, int) const { return v; }
+    __m256 plain(__m256 v, int) const { return v; }
+  };
+
+  // The vector loops of the rotation of one head (float / Half / BFloat16:
+  // sixteen (bf16) or eight lanes at a time) on the values prep makes of the
+  // loaded ones; returns the pairs done (the caller does the scalar tail).
+  template <class T, bool Interleaved, class Prep>
+  __attribute__((always_inline)) static int rotate_vector(const T* in, T* out, const float* tab,
+                                                          int r_, const Prep& prep) {
     const int r = R ? R : r_;
     const int h = r / 2;
     int j = 0;  // pairs done
@@ -243,6 +254,8 @@ struct Avx2Head : ScalarTable {
           const int i = 2 * j;
           __m256 lo, hi;
           load16(in + i, lo, hi);  // lo: first feature of pairs j..j+7, hi: second
+          lo = prep.lanes(lo, i);
+          hi = prep.lanes(hi, i + 8);
           const __m256 ylo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(tp + i),
                                              _mm256_mul_ps(hi, _mm256_loadu_ps(tp + r + i)));
           const __m256 yhi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(tp + i + 8),
@@ -251,7 +264,7 @@ struct Avx2Head : ScalarTable {
         }
       }
       for (; 2 * j + 8 <= r; j += 4) {
-        const __m256 x = load8(in + 2 * j);
+        const __m256 x = prep.plain(load8(in + 2 * j), 2 * j);
         const __m256 xs = _mm256_permute_ps(x, 0xB1);
         const __m256 y = _mm256_fmadd_ps(x, _mm256_loadu_ps(tab + 2 * j),
                                          _mm256_mul_ps(xs, _mm256_loadu_ps(tab + r + 2 * j)));
@@ -264,6 +277,10 @@ struct Avx2Head : ScalarTable {
           __m256 x1l, x1h, x2l, x2h;
           load16(in + j, x1l, x1h);
           load16(in + h + j, x2l, x2h);
+          x1l = prep.lanes(x1l, j);
+          x1h = prep.lanes(x1h, j + 8);
+          x2l = prep.lanes(x2l, h + j);
+          x2h = prep.lanes(x2h, h + j + 8);
           const __m256 cl = _mm256_loadu_ps(tp + j), ch = _mm256_loadu_ps(tp + j + 8);
           const __m256 sl = _mm256_loadu_ps(tp + h + j), sh = _mm256_loadu_ps(tp + h + j + 8);
           store16(out + j, _mm256_fmsub_ps(x1l, cl, _mm256_mul_ps(x2l, sl)),
@@ -273,14 +290,23 @@ struct Avx2Head : ScalarTable {
         }
       }
       for (; j + 8 <= h; j += 8) {
-        const __m256 x1 = load8(in + j);
-        const __m256 x2 = load8(in + h + j);
+        const __m256 x1 = prep.plain(load8(in + j), j);
+        const __m256 x2 = prep.plain(load8(in + h + j), h + j);
         const __m256 c = _mm256_loadu_ps(tab + j);
         const __m256 s = _mm256_loadu_ps(tab + h + j);
         store8(out + j, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
         store8(out + h + j, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
       }
     }
+    return j;
+  }
+
+  // float / Half / BFloat16: rotate_vector, scalar tail.
+  template <class T, bool Interleaved, class A>
+  __attribute__((always_inline)) static void rotate(const T* in, T* out, const float* tab, int r_,
+                                                    int D, bool copy_pass) {
+    const int r = R ? R : r_;
+    const int j = rotate_vector<T, Interleaved>(in, out, tab, r, NoPrep{});
     ScalarHead::rotate<T, Interleaved, A>(in, out, tab, r, D, copy_pass, j);
   }
   // float64: the portable loop, compiled for AVX2.
@@ -372,7 +398,7 @@ struct Avx2Head : ScalarTable {
     }
   }
 
-  // Normalises a head with its scale and rotates it, in the loops of rotate().
+  // Normalises a head with its scale and rotates it, in rotate()'s loops.
   template <class T, bool Interleaved, class A>
   __attribute__((always_inline)) static void norm_rotate(const T* in, T* out,
                                                          const NormWeights<A>& nw, const A* tab,
@@ -380,9 +406,7 @@ struct Avx2Head : ScalarTable {
     if constexpr (std::is_same_v<T, double>) {
       PortableNorm::norm_rotate<T, Interleaved, A>(in, out, nw, tab, r_, off, D, rms);
     } else {
-      constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
       const int r = R ? R : r_;
-      const int h = r / 2;
       const __m256 vr = _mm256_set1_ps(rms);
       const float* w = nw.w;
 
@@ -396,61 +420,16 @@ struct Avx2Head : ScalarTable {
       pass(0, off);
       pass(off + r, D);
 
-      // The rotated features, as rotate() does with the normalised values.
-      const T* x = in + off;
-      T* y = out + off;
-      const float* wo = w + off;
-      int j = 0;  // pairs done
-      if (Interleaved) {
-        if constexpr (kBf16) {
-          const float* tp = tab + 2 * r;
-          for (; 2 * j + 16 <= r; j += 8) {
-            const int k = 2 * j;
-            __m256 lo, hi;
-            load16(x + k, lo, hi);
-            lo = normed8<T>(lo, vr, _mm256_loadu_ps(nw.rot + k));
-            hi = normed8<T>(hi, vr, _mm256_loadu_ps(nw.rot + k + 8));
-            const __m256 ylo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(tp + k),
-                                               _mm256_mul_ps(hi, _mm256_loadu_ps(tp + r + k)));
-            const __m256 yhi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(tp + k + 8),
-                                               _mm256_mul_ps(lo, _mm256_loadu_ps(tp + r + k + 8)));
-            store16(y + k, ylo, yhi);
-          }
-        }
-        for (; 2 * j + 8 <= r; j += 4) {
-          const __m256 v = normed8<T>(load8(x + 2 * j), vr, _mm256_loadu_ps(wo + 2 * j));
-          const __m256 vs = _mm256_permute_ps(v, 0xB1);
-          store8(y + 2 * j, _mm256_fmadd_ps(v, _mm256_loadu_ps(tab + 2 * j),
-                                            _mm256_mul_ps(vs, _mm256_loadu_ps(tab + r + 2 * j))));
-        }
-      } else {
-        if constexpr (kBf16) {
-          const float* tp = tab + 2 * r;
-          for (; j + 16 <= h; j += 16) {
-            __m256 x1l, x1h, x2l, x2h;
-            load16(x + j, x1l, x1h);
-            load16(x + h + j, x2l, x2h);
-            x1l = normed8<T>(x1l, vr, _mm256_loadu_ps(nw.rot + j));
-            x1h = normed8<T>(x1h, vr, _mm256_loadu_ps(nw.rot + j + 8));
-            x2l = normed8<T>(x2l, vr, _mm256_loadu_ps(nw.rot + h + j));
-            x2h = normed8<T>(x2h, vr, _mm256_loadu_ps(nw.rot + h + j + 8));
-            const __m256 cl = _mm256_loadu_ps(tp + j), ch = _mm256_loadu_ps(tp + j + 8);
-            const __m256 sl = _mm256_loadu_ps(tp + h + j), sh = _mm256_loadu_ps(tp + h + j + 8);
-            store16(y + j, _mm256_fmsub_ps(x1l, cl, _mm256_mul_ps(x2l, sl)),
-                    _mm256_fmsub_ps(x1h, ch, _mm256_mul_ps(x2h, sh)));
-            store16(y + h + j, _mm256_fmadd_ps(x2l, cl, _mm256_mul_ps(x1l, sl)),
-                    _mm256_fmadd_ps(x2h, ch, _mm256_mul_ps(x1h, sh)));
-          }
-        }
-        for (; j + 8 <= h; j += 8) {
-          const __m256 x1 = normed8<T>(load8(x + j), vr, _mm256_loadu_ps(wo + j));
-          const __m256 x2 = normed8<T>(load8(x + h + j), vr, _mm256_loadu_ps(wo + h + j));
-          const __m256 c = _mm256_loadu_ps(tab + j);
-          const __m256 s = _mm256_loadu_ps(tab + h + j);
-          store8(y + j, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
-          store8(y + h + j, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
-        }
-      }
+      // The rotated features: rotate()'s loops on the normalised values.
+      struct Normalise {
+        __m256 vr;
+        const float* rot;  // weights of the rotated features, load16's lane order
+        const float* w;    // the same in feature order
+        __m256 lanes(__m256 v, int i) const { return normed8<T>(v, vr, _mm256_loadu_ps(rot + i)); }
+        __m256 plain(__m256 v, int i) const { return normed8<T>(v, vr, _mm256_loadu_ps(w + i)); }
+      };
+      const int j = rotate_vector<T, Interleaved>(in + off, out + off, tab, r,
+                                                  Normalise{vr, nw.rot, w + off});
       norm_rotate_pairs<T, Interleaved, float>(in, out, w, rms, tab, r, off, j);
     }
   }
