@@ -22,6 +22,7 @@ _cache_op = _ops.rotary_qk_cache_.default
 _packed_norm_op = _ops.qk_norm_rotary_packed_.default
 _is_compiling = torch.compiler.is_compiling
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_DEFAULT_EPS = 1e-6  # the schemas' default eps
 
 
 def _token_positions(positions: Tensor, mrope_section) -> Tensor:
@@ -244,13 +245,17 @@ def apply_qk_norm_rotary_(
         and not _is_compiling()
     ):
         # The common eager call (a decode step): one op on qkv, which checks everything else (trailing
-        # defaults not passed, as in apply_rotary_qk_and_cache_).
+        # defaults, eps included, not passed, as in apply_rotary_qk_and_cache_).
         try:
             if interleaved or weight_offset or rotary_offset:
                 _packed_norm_op(
                     qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps,
                     interleaved, float(weight_offset), rotary_offset,
                 )  # fmt: skip
+            elif eps == _DEFAULT_EPS:
+                _packed_norm_op(
+                    qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin
+                )
             else:
                 _packed_norm_op(
                     qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps

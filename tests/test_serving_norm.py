@@ -250,6 +250,31 @@ def test_decode_and_empty(backend, dtype):
     assert q2.shape == q.shape and k2.shape == k.shape
 
 
+@pytest.mark.parametrize("tokens", [2, 3, 4, 7, 13, 40])
+def test_tokens_split_over_threads_keep_their_bits(tokens):
+    """Llama-3-8B heads, bf16: from 3 tokens on, the CPU op splits the tokens over two threads (its grain
+    weighs the norm's work, ops_cpu.cpp). Each token must be normalised and rotated exactly once: the
+    bits are those of one thread, and match the reference."""
+    heads, d = (32, 8, 8), 128
+    qw, kw = make_weights(d, torch.bfloat16, 0.0)
+    cs = make_cos_sin(N_POS, d)
+    _, src = make_qkv(tokens, heads, d, torch.bfloat16, seed=tokens)
+    pos = torch.randint(0, N_POS, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    ref, tol = expected(src, heads, qw, kw, pos, cs)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            qkv = src.clone()
+            run("cpu", qkv, heads, qw, kw, pos, cs)
+            results.append(qkv)
+    finally:
+        torch.set_num_threads(threads)
+    check(results[1], ref, tol, src, heads)
+    assert torch.equal(bits(results[0]), bits(results[1]))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. Gradients.
 

@@ -15,6 +15,7 @@ __all__ = [
     "KV_BLOCK_SIZE",
     "MODES",
     "QKNORM_EPS",
+    "QKNORM_WEIGHT",
     "SERVING_MODES",
     "PREFILL_TOKENS",
     "PRESETS",
@@ -89,6 +90,7 @@ ALL_MODES = MODES + SERVING_MODES
 KV_BLOCK_SIZE = 16
 DECODE_CACHE_SLOTS = 4096
 QKNORM_EPS = 1e-6  # Qwen3's rms_norm_eps
+QKNORM_WEIGHT = 1.3  # |q_weight| = |k_weight| (random signs)
 # Decode positions are drawn from [0, DECODE_CONTEXT): each token is the next one of its own sequence.
 DECODE_CONTEXT = 8192
 
