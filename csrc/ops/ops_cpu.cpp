@@ -19,12 +19,13 @@ void check_positions_cpu(const rope::RopeParams& p) {
 }
 
 // Bytes a thread should move (read + written) before splitting pays for waking
-// another one: a fork/join of torch's thread pool costs a few microseconds,
-// less than rotating 128 KiB takes (a Llama-3-8B decode step of 8 tokens: 25
-// us on one thread, 20 us on two, on a 2 GHz Zen 1). Smaller steps stay on
-// the calling thread; larger ones split into one contiguous block of tokens
-// per thread (torch::stable::parallel_for, so torch.set_num_threads applies).
-constexpr int64_t kMinBytesPerChunk = int64_t(128) << 10;
+// another one: a few microseconds when torch's OpenMP workers are still
+// spinning from the last parallel region, about 20 us when they sleep
+// (OMP_WAIT_POLICY=passive, or idle for a while) on a 2 GHz Zen 1, where
+// rotating 256 KiB takes about 30 us. Smaller steps stay on the calling thread;
+// larger ones split into one contiguous block of tokens per thread
+// (torch::stable::parallel_for, so torch.set_num_threads applies).
+constexpr int64_t kMinBytesPerChunk = int64_t(256) << 10;
 
 void launch_cpu(const rope::RopeParams& p, const Tensor&) {
   int64_t per_token = 0;  // bytes read + written per token
@@ -63,7 +64,7 @@ void launch_cache_cpu(const rope::CacheParams& p, const Tensor&) {
 // The QK norm does about 2.5x the rotation's work per byte (it reads each head
 // twice and adds a square, two products and a rounding per feature), so its
 // tokens weigh 2.5x their bytes in the split: with Llama-3-8B shapes a decode
-// step of 3 tokens or more runs on two threads (the rotation: 7 or more).
+// step of 6 tokens or more runs on two threads (the rotation: 13 or more).
 void launch_norm_cpu(const rope::NormParams& p, const Tensor&) {
   const int64_t bytes = 2 * rope::dtype_size(p.rope.x_dtype) *
                         (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim;
