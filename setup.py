@@ -51,10 +51,12 @@ def extensions():
     cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fvisibility=hidden"]
     macros = [("ROPE_EXT_PYTHON_MODULE", None), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     common = dict(define_macros=macros, py_limited_api=True)
+    binding = ["csrc/ops/binding.cpp", "csrc/ops/layout.cpp", "csrc/ops/serving_binding.cpp"]
     exts = [
         cpp_extension.CppExtension(
             "rope_ext._C",
-            ["csrc/ops/binding.cpp", "csrc/ops/ops_cpu.cpp", "csrc/ops/registration.cpp"]
+            binding
+            + ["csrc/ops/ops_cpu.cpp", "csrc/ops/registration.cpp"]
             + sorted(glob.glob("csrc/rope/*.cpp")),
             extra_compile_args={"cxx": cxx},
             **common,
@@ -64,7 +66,7 @@ def extensions():
         exts.append(
             cpp_extension.CppExtension(
                 "rope_ext._C_testing",
-                ["csrc/ops/binding.cpp", "csrc/ops/cuda_emulated.cpp"],
+                binding + ["csrc/ops/cuda_emulated.cpp"],
                 extra_compile_args={"cxx": cxx},
                 **common,
             )
@@ -77,7 +79,7 @@ def extensions():
         exts.append(
             cpp_extension.CUDAExtension(
                 "rope_ext._C_cuda",
-                ["csrc/ops/binding.cpp", "csrc/ops/ops_cuda.cu"] + sorted(glob.glob("csrc/rope/*.cu")),
+                binding + ["csrc/ops/ops_cuda.cu"] + sorted(glob.glob("csrc/rope/*.cu")),
                 extra_compile_args={"cxx": cxx, "nvcc": nvcc},
                 define_macros=macros + [("USE_CUDA", None)],
                 py_limited_api=True,
@@ -87,7 +89,7 @@ def extensions():
 
 
 class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
-    """One build folder per extension: they share sources (binding.cpp) compiled with different flags."""
+    """One build folder per extension: they share sources (the binding) compiled with different flags."""
 
     def run(self):
         # build/lib is shared by every build of this tree: drop the libraries this build does not make

@@ -1,7 +1,9 @@
 // Binding layer shared by every backend, on the LibTorch stable ABI
 // (torch/csrc/stable, header-only torch/headeronly): argument checks with
-// user-facing messages, construction of rope::RopeParams from tensors, and the
-// three op bodies. A backend only supplies how to run the kernel.
+// user-facing messages, kernel parameters from tensors, and the op bodies:
+// binding.cpp (the rotary ops), serving_binding.cpp (the serving ops),
+// layout.h (overlap checks of what is written). A backend only supplies how to
+// run the kernel.
 //
 // Errors are standard exceptions, which reach Python as: std::invalid_argument
 // -> ValueError, std::out_of_range -> IndexError. A wrong type or dtype throws
@@ -10,6 +12,7 @@
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <cstdint>
 #include <optional>
@@ -210,6 +213,21 @@ int64_t first_bad_position(const rope::RopeParams& p, int64_t* value);
 
 // "[2, 3]"
 std::string shape_str(IntRef s);
+
+// "cpu", "cuda:0"
+std::string device_str(const Tensor& t);
+
+// float32, float64, float16 or bfloat16, and its kernel dtype.
+bool is_supported_float(torch::headeronly::ScalarType t);
+rope::DType to_dtype(torch::headeronly::ScalarType t);
+
+// x (named `name` in messages) is a floating tensor [..., head_dim] with a
+// contiguous last dim.
+void check_input(const Tensor& x, const char* name);
+
+// A new tensor for the result of x: x's layout (empty_like), unless that
+// leaves the last dim strided; then row-major.
+Tensor empty_output(const Tensor& x);
 
 // Sizes and strides as vectors (one call into libtorch each).
 std::vector<int64_t> sizes_of(const Tensor& t);

@@ -1,0 +1,122 @@
+#include "layout.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+namespace rope_ext {
+namespace {
+
+// Byte extent [lo, hi) of the elements of t.
+std::pair<int64_t, int64_t> extent(const Layout& t) {
+  int64_t lo = 0, hi = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t span = (t.size[d] - 1) * t.stride[d];
+    (span < 0 ? lo : hi) += span;
+  }
+  const int64_t es = t.element_size;
+  return {t.data + lo * es, t.data + (hi + 1) * es};
+}
+
+// Dims of t as (size, byte stride), size-1 dims dropped, innermost last, with
+// contiguous neighbours merged. Returns the byte length of the innermost run.
+int64_t runs_of(const Layout& t, std::vector<std::pair<int64_t, int64_t>>& outer) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size[d] != 1) dims.emplace_back(t.size[d], t.stride[d] * t.element_size);
+  std::sort(dims.begin(), dims.end(),
+            [](auto& a, auto& b) { return std::abs(a.second) > std::abs(b.second); });
+  int64_t run = t.element_size;
+  while (!dims.empty() && dims.back().second == run) {
+    run *= dims.back().first;
+    dims.pop_back();
+  }
+  outer = dims;
+  return run;
+}
+
+// Byte offsets (from `base`) of every run start.
+std::vector<int64_t> run_starts(const Layout& t, int64_t base,
+                                const std::vector<std::pair<int64_t, int64_t>>& outer) {
+  std::vector<int64_t> starts{t.data - base};
+  for (auto [size, stride] : outer) {
+    std::vector<int64_t> next;
+    next.reserve(starts.size() * size);
+    for (int64_t s : starts)
+      for (int64_t i = 0; i < size; ++i) next.push_back(s + i * stride);
+    starts.swap(next);
+  }
+  std::sort(starts.begin(), starts.end());
+  return starts;
+}
+
+}  // namespace
+
+bool self_overlaps(const Layout& t) {
+  if (t.numel() <= 1) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size[d] <= 1) continue;
+    if (t.stride[d] == 0) return true;
+    dims.emplace_back(t.size[d], std::abs(t.stride[d]));
+  }
+  std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second < b.second; });
+  int64_t reach = 1;
+  bool nested = true;
+  for (auto [size, stride] : dims) {
+    if (stride < reach) {
+      nested = false;
+      break;
+    }
+    reach = stride * (size - 1) + reach;
+  }
+  if (nested) return false;
+  constexpr int64_t kMaxRuns = int64_t(1) << 22;
+  std::vector<std::pair<int64_t, int64_t>> outer;
+  const int64_t run = runs_of(t, outer);
+  int64_t n_runs = 1;
+  for (auto [size, stride] : outer)
+    if ((n_runs *= size) > kMaxRuns) return true;
+  const auto starts = run_starts(t, t.data, outer);
+  for (size_t i = 1; i < starts.size(); ++i)
+    if (starts[i] - starts[i - 1] < run) return true;
+  return false;
+}
+
+bool overlaps(const Layout& a, const Layout& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto [alo, ahi] = extent(a);
+  const auto [blo, bhi] = extent(b);
+  if (ahi <= blo || bhi <= alo) return false;
+  std::vector<std::pair<int64_t, int64_t>> oa, ob;
+  const int64_t la = runs_of(a, oa), lb = runs_of(b, ob);
+  const int64_t pa = a.data, pb = b.data;
+  if (oa.size() == 1 && ob.size() == 1 && oa[0] == ob[0] && oa[0].second > 0) {
+    // Same single outer dim (q and k sliced from one packed tensor): runs
+    // [pa + i S, +la) and [pb + j S, +lb) meet iff some m = j - i in
+    // (-(n-1), n-1) has pb - pa + m S in (-lb, la).
+    const int64_t n = oa[0].first, S = oa[0].second, delta = pb - pa;
+    auto floor_div = [](int64_t x, int64_t y) {
+      return x / y - ((x % y != 0) && ((x < 0) != (y < 0)));
+    };
+    const int64_t m_lo = std::max(-(n - 1), floor_div(-lb - delta, S) + 1);
+    const int64_t m_hi = std::min(n - 1, -floor_div(-(la - delta), S) - 1);
+    return m_lo <= m_hi;
+  }
+  // General case: list every contiguous run of both and sweep.
+  const int64_t base = std::min(pa, pb);
+  const auto sa = run_starts(a, base, oa), sb = run_starts(b, base, ob);
+  size_t i = 0, j = 0;
+  while (i < sa.size() && j < sb.size()) {
+    if (sa[i] + la <= sb[j])
+      ++i;
+    else if (sb[j] + lb <= sa[i])
+      ++j;
+    else
+      return true;
+  }
+  return false;
+}
+
+}  // namespace rope_ext
