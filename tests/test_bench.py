@@ -371,3 +371,55 @@ def test_wrong_cache_provider_is_reported(monkeypatch):
     row = next(r for r in result["rows"] if r["kind"] == "provider")
     assert row["status"] == "wrong" and row["err_fp8_codes"] > 1 and row["err_ulps"] < 2
     assert "fp8 codes" in "\n".join(" ".join(r) for r in bench.table_rows(result))
+
+
+def _row(provider, mode, phase, tokens, median_s, **extra):
+    wl = {"preset": "llama-3-8b", "dtype": "bf16", "pairing": "half-split", "seqs": None}
+    return {
+        **wl,
+        "provider": provider,
+        "mode": mode,
+        "phase": phase,
+        "tokens": tokens,
+        "median_s": median_s,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("machine", [{"cpu": "x"}, {"cpu": "x", "gpu": "y"}], ids=["cpu", "gpu"])
+def test_summary_says_which_serving_floors_are_met(machine):
+    frac = {"ceiling": "stream cache", "frac_ceiling_min": 0.5}
+    rows = [
+        # Decode of 16 tokens: the cache write at 1.4x the in-place rotation (met), the QK norm at 2x (not).
+        _row("rope_ext", "inplace", "decode", 16, 10e-6),
+        _row("rope_ext", "cache", "decode", 16, 14e-6),
+        _row("rope_ext", "qknorm", "decode", 16, 20e-6),
+        # 128 tokens is past the decode floor's range: the ratio alone.
+        _row("rope_ext", "inplace", "decode", 128, 10e-6),
+        _row("rope_ext", "cache", "decode", 128, 20e-6),
+        # Prefill of 4096: cache at 90% of its ceiling (met), fp8 at 40% and the QK norm at 30% (not met),
+        # the QK norm 5x torch.compile (met; a CPU floor).
+        _row("rope_ext", "cache", "prefill", 4096, 1e-3, frac_ceiling=0.9, **frac),
+        _row("rope_ext", "cache-fp8", "prefill", 4096, 1e-3, frac_ceiling=0.4, **frac),
+        _row("rope_ext", "qknorm", "prefill", 4096, 1e-3, frac_ceiling=0.3, speedup_vs_compile=5.0, **frac),
+    ]
+    lines = bench.summary({"machine": machine, "rows": rows, "notes": []})
+
+    def line(mode, phase, tokens):
+        (found,) = [
+            s
+            for s in lines
+            if s.startswith(f"rope_ext {mode} llama-3-8b bf16 half-split {phase} T={tokens}:")
+        ]
+        return found
+
+    assert "1.40x rope_ext in place, floor 1.5x in place: met" in line("cache", "decode", 16)
+    assert "2.00x rope_ext in place, floor 1.5x in place: NOT met" in line("qknorm", "decode", 16)
+    assert "2.00x rope_ext in place" in line("cache", "decode", 128) and "floor" not in line(
+        "cache", "decode", 128
+    )
+    assert "floor 85% of ceiling: met" in line("cache", "prefill", 4096)
+    assert "floor 85% of ceiling: NOT met" in line("cache-fp8", "prefill", 4096)
+    qk = line("qknorm", "prefill", 4096)
+    assert "floor 85% of ceiling: NOT met" in qk
+    assert ("floor 2x torch.compile unfused: met" in qk) == ("gpu" not in machine)

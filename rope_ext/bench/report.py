@@ -13,7 +13,8 @@ The serving modes count their own bytes (:meth:`~rope_ext.bench.workloads.Case.b
 ``stream cache`` / ``stream cache-fp8`` (those bytes streamed; see :mod:`.ceilings`); ``qknorm`` against
 ``stream in-place`` (its q and k heads read and written). Their ``vs eager`` is against the mode's
 unfused eager path (``rope_ext unfused``, ``eager unfused``); the summary adds ``qknorm``'s ratio to
-``torch.compile unfused`` and the issue's floors for a 4096-token prefill on a CPU (:data:`QKNORM_FLOORS`).
+``torch.compile unfused``, a decode step's ratio to ``rope_ext`` in place on the same tokens, and whether
+the issue's floors are met (:data:`SERVING_FLOORS`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "CEILING_STYLE",
     "CSV_FIELDS",
     "QKNORM_FLOORS",
+    "SERVING_FLOORS",
     "TABLE_COLUMNS",
     "plot",
     "print_table",
@@ -182,8 +184,8 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
     """One line per workload: how provider ``name`` stands against the ceilings and the references.
 
     Each serving mode that ran adds its own line per workload: time, % of its ceiling, the ratios to the
-    unfused references and, for ``qknorm`` prefills of 4096 tokens or more on a CPU, the issue's floors
-    (:data:`QKNORM_FLOORS`). Packed workloads add ``name+varlen`` in place and the ``varlen_positions``
+    unfused references, for a decode step its ratio to ``name`` in place, and the issue's floors, met or not
+    (:data:`SERVING_FLOORS`). Packed workloads add ``name+varlen`` in place and the ``varlen_positions``
     part; then one line per prefill that ran with several sequence counts compares ``name`` in place
     across them.
     """
@@ -254,8 +256,22 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
 
 
 _SERVING = ("cache", "cache-fp8", "qknorm")
-# The issue's floors for the fused QK-norm + rope: a Llama-3-8B-sized prefill of 4096 tokens on a CPU.
+# The issue's floors for the fused serving ops, Llama-3-8B-sized: a prefill of 4096 tokens or more at 85% of
+# its ceiling (on a CPU or a GPU), the QK norm there at least 2x torch.compile of the unfused reference (on a
+# CPU); a decode step of 1-64 tokens within 1.5x of rope_ext's in-place rotation of the same q and k.
 QKNORM_FLOORS = {"frac_ceiling": 0.85, "speedup_vs_compile": 2.0, "tokens": 4096}
+SERVING_FLOORS = {
+    "cache": {"frac_ceiling": 0.85},
+    "cache-fp8": {"frac_ceiling": 0.85},
+    "qknorm": {"frac_ceiling": 0.85, "speedup_vs_compile": 2.0},
+    "prefill_tokens": QKNORM_FLOORS["tokens"],
+    "decode_x_inplace": 1.5,
+    "decode_max_tokens": 64,
+}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def _serving_parts(
@@ -263,6 +279,9 @@ def _serving_parts(
 ) -> list[tuple[str, list[str]]]:
     """The summary's words on each serving mode of one workload (see :func:`summary`)."""
     parts = []
+    f = SERVING_FLOORS
+    cpu = "gpu" not in result["machine"]
+    ip = rows.get(f"{name}|inplace")
     for mode in _SERVING:
         r = rows.get(f"{name}|{mode}")
         if not r or "median_s" not in r:
@@ -278,16 +297,22 @@ def _serving_parts(
             words.append(f"{r['speedup_vs_eager']:.2f}x {base['provider']}")
         if "x_noop_call" in r and phase == "decode":
             words.append(f"call {r['x_noop_call']:.2f}x no-op")
-        f = QKNORM_FLOORS
-        cpu = "gpu" not in result["machine"]
-        if mode == "qknorm" and phase == "prefill" and tokens >= f["tokens"] and cpu:
+        if phase == "decode" and ip and ip.get("median_s"):
+            x = r["median_s"] / ip["median_s"]
+            words.append(f"{x:.2f}x {name} in place")
+            if tokens <= f["decode_max_tokens"]:
+                words.append(f"floor {f['decode_x_inplace']:g}x in place: {_met(x <= f['decode_x_inplace'])}")
+        if phase == "prefill" and tokens >= f["prefill_tokens"]:
+            floors = dict(f[mode])
+            if not cpu:
+                floors.pop("speedup_vs_compile", None)
             label = {
-                "frac_ceiling": f"{100 * f['frac_ceiling']:.0f}% of ceiling",
-                "speedup_vs_compile": f"{f['speedup_vs_compile']:g}x torch.compile unfused",
+                "frac_ceiling": f"{100 * floors.get('frac_ceiling', 0):.0f}% of ceiling",
+                "speedup_vs_compile": f"{floors.get('speedup_vs_compile', 0):g}x torch.compile unfused",
             }
-            for k, text in label.items():
+            for k, want in floors.items():
                 if k in r:
-                    words.append(f"floor {text}: {'met' if r[k] >= f[k] else 'NOT met'}")
+                    words.append(f"floor {label[k]}: {_met(r[k] >= want)}")
         parts.append((mode, words))
     return parts
 
