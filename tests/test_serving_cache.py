@@ -424,8 +424,11 @@ def _fp8_probe_values(fp8, n: int, gen) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
-def test_fp8_conversion_bit_exact_against_torch(fp8, backend):
-    """v (written as is, v_scale 1) covers the range; the cache holds exactly torch's .to(fp8) of it."""
+@pytest.mark.parametrize("scale", [1.0, 2.0**-20, 2.0**40, 0.37], ids=["1", "2^-20", "2^40", "0.37"])
+def test_fp8_conversion_bit_exact_against_torch(scale, fp8, backend):
+    """v (written as is) covers the range of v / v_scale; the cache holds exactly torch's .to(fp8) of the
+    float32 quotient. Powers of two are multiplied by their reciprocal on the CPU (the same bits), 0.37
+    divides."""
     gen = torch.Generator().manual_seed(5)
     vals = _fp8_probe_values(fp8, 6000, gen)
     Dv = 16
@@ -433,14 +436,14 @@ def test_fp8_conversion_bit_exact_against_torch(fp8, backend):
     vals = torch.cat([vals, torch.randn(T * 2 * Dv - vals.numel(), generator=gen)])
     vals = vals[torch.randperm(vals.numel(), generator=gen)]
     c = build(torch.float32, T=T, Hq=1, Hk=2, D=16, Dv=Dv, cache_dtype=fp8, slots="all", block_size=32)
-    c.v.copy_(vals.view(T, 2, Dv))
-    c.v_scale = torch.tensor([1.0])
+    c.v.copy_((vals.double() * scale).float().view(T, 2, Dv))
+    c.v_scale = torch.tensor([scale])
     s = c.snapshot()
     run(c, backend)
     check(c, s, backend)
     got = c.value_cache.reshape(-1, 2, Dv)[c.slot_mapping]
     m = reference.FP8_MAX[fp8]
-    assert same_bits(got, c.v.clamp(-m, m).to(fp8))
+    assert same_bits(got, (c.v / c.v_scale).clamp(-m, m).to(fp8))
 
 
 # ---------------------------------------------------------------------------------------------------------

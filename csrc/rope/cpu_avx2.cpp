@@ -468,14 +468,26 @@ inline __m256i fp8_bits8(__m256 v, Fp8 t) {
   return _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xff)), _mm256_srli_epi32(sign, 24));
 }
 
+// 1 / scale when scale is a power of two (1.0 included) whose reciprocal is a
+// normal float, else 0. Then x / scale == x * (1 / scale) for every x: both
+// are the same exact value rounded once (also under FTZ / DAZ, the reciprocal
+// being normal), and a product costs less than a quotient.
+inline float exact_reciprocal(float scale) {
+  uint32_t b;
+  std::memcpy(&b, &scale, sizeof b);
+  const uint32_t e = (b >> 23) & 0xff;
+  return (b & 0x7fffff) == 0 && e >= 1 && e <= 253 ? 1.0f / scale : 0.0f;
+}
+
 template <class T>
 void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
   const T* x = static_cast<const T*>(xv);
-  const __m256 s = _mm256_set1_ps(scale);
+  const float inv = exact_reciprocal(scale);
+  const __m256 s = _mm256_set1_ps(inv != 0 ? inv : scale);
   const __m256 hi = _mm256_set1_ps(fp8_max(t)), lo = _mm256_set1_ps(-fp8_max(t));
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_div_ps(load8(x + i), s);
+    __m256 v = inv != 0 ? _mm256_mul_ps(load8(x + i), s) : _mm256_div_ps(load8(x + i), s);
     // min / max return their second operand when one is NaN: NaN is kept.
     v = _mm256_max_ps(lo, _mm256_min_ps(hi, v));
     const __m256i r = fp8_bits8(v, t);
