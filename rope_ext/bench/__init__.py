@@ -62,7 +62,6 @@ from .providers import PROVIDERS, Builder, Provider, Runner, Skip, provider
 from .report import (
     CEILING_STYLE,
     CSV_FIELDS,
-    QKNORM_FLOORS,
     SERVING_FLOORS,
     TABLE_COLUMNS,
     plot,
@@ -101,7 +100,6 @@ __all__ = [
     "PREFILL_TOKENS",
     "PRESETS",
     "PROVIDERS",
-    "QKNORM_FLOORS",
     "SERVING_FLOORS",
     "SERVING_MODES",
     "TABLE_COLUMNS",
