@@ -6,7 +6,7 @@ AVX2 builds (16 fixed summation lanes added as a tree, no fused products, round 
 cache rows are
 bit-exact against torch's own conversion of ``x / scale`` saturated (special values and every tail length
 included), and the normalised pass-through features of the fused QK-norm (no rotation between) are
-bit-identical across sets.
+bit-identical across sets, head by head or eight heads at a time.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def test_fp8_cache_rows_bit_exact(isa, fp8, dtype, dim):
 @pytest.mark.parametrize("dim", [8, 40, 130, 512])
 def test_qk_norm_pass_features_identical_across_sets(dtype, dim):
     g = torch.Generator().manual_seed(dim)
-    T, Hq, Hk, Hv = 7, 3, 2, 1
+    T, Hq, Hk, Hv = 7, 11, 8, 1  # AVX2 sums eight heads at a time (D a multiple of 16), the rest one by one
     qkv = (torch.randn(T, (Hq + Hk + Hv) * dim, generator=g) * 4).to(dtype)
+    qkv.unflatten(-1, (Hq + Hk + Hv, dim))[:, 1::3] *= 1e-3  # heads of unequal scales
     qw, kw = torch.randn(dim, generator=g), torch.randn(dim, generator=g).to(dtype)
     pos = torch.randint(0, 32, (T,), generator=g)
     cs = reference.cos_sin_table(32, 2).float()  # one rotated pair: the other features are the norm's output
@@ -112,7 +113,7 @@ def test_qk_norm_rotated_features_identical_across_sets(interleaved, dtype, dim)
     8-lane blocks, scalar tails: dims 26, 48, 64, 128, 160 reach each) normalise to the bits of the portable
     pass-through path."""
     g = torch.Generator().manual_seed(dim + interleaved)
-    T, Hq, Hk, Hv = 5, 3, 2, 1
+    T, Hq, Hk, Hv = 5, 10, 8, 1
     qkv = (torch.randn(T, (Hq + Hk + Hv) * dim, generator=g) * 4).to(dtype)
     qw, kw = torch.randn(dim, generator=g), torch.randn(dim, generator=g).to(dtype)
     pos = torch.randint(0, 8, (T,), generator=g)
@@ -136,3 +137,29 @@ def test_qk_norm_rotated_features_identical_across_sets(interleaved, dtype, dim)
         got = run(name, dim)
         assert torch.equal(got[..., 2:], passed[..., 2:]), name
         assert torch.equal(got, run("scalar", dim)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_norm_many_heads_identical_across_sets(dtype):
+    """Many values, so that a scale one float32 ulp off shows in some 16-bit output: every set's RMSNorm
+    scales (AVX2: eight heads at a time) are the portable build's, head for head."""
+    g = torch.Generator().manual_seed(7)
+    T, Hq, Hk, Hv, dim = 192, 13, 8, 0, 128
+    qkv = torch.randn(T, (Hq + Hk) * dim, generator=g) * torch.exp2(
+        torch.randint(-6, 7, (T, (Hq + Hk) * dim), generator=g)
+    )
+    qkv = qkv.to(dtype)
+    qw, kw = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    pos = torch.randint(0, 32, (T,), generator=g)
+    cs = reference.cos_sin_table(32, 2).float()
+    outs = {}
+    for name in ISAS:
+        previous = rope_ext._set_cpu_isa(name)
+        try:
+            out = qkv.clone()
+            rope_ext.apply_qk_norm_rotary_(out, Hq, Hk, Hv, qw, kw, pos, cs)
+            outs[name] = out.unflatten(-1, (Hq + Hk, dim))[..., 2:]
+        finally:
+            rope_ext._set_cpu_isa(previous)
+    for name, out in outs.items():
+        assert torch.equal(out, outs["scalar"]), name

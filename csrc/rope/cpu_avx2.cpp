@@ -398,6 +398,66 @@ struct Avx2Head : ScalarTable {
     }
   }
 
+  // [a.lo + a.hi | b.lo + b.hi]
+  static __m256 halves(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+
+  // The RMSNorm scales of eight heads (in[k]: head k's first feature), D a
+  // multiple of 16: each head's lanes as norm_scale sums them, then
+  // lane_total's tree for the eight heads at once (the vectors transposed as
+  // the tree goes, so that every addition is the one norm_scale makes), and
+  // rms_inverse in vectors (IEEE division and square root: the same bits). A
+  // head at a time, the tree and the scalar division and square root form a
+  // chain of dependent operations that stalls the token loop.
+  template <class T>
+  __attribute__((always_inline)) static void norm_scales8(const T* const* in, int D, double eps,
+                                                          float* out) {
+    constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
+    __m256 s0[8], s1[8];
+    for (int k = 0; k < 8; ++k) {
+      __m256 u = _mm256_setzero_ps(), v = _mm256_setzero_ps();  // in registers
+      for (int i = 0; i < D; i += 16) {
+        __m256 a, b;
+        if constexpr (kBf16) {
+          load16(in[k] + i, a, b);
+        } else {
+          a = load8(in[k] + i);
+          b = load8(in[k] + i + 8);
+        }
+        u = _mm256_add_ps(u, _mm256_mul_ps(a, a));
+        v = _mm256_add_ps(v, _mm256_mul_ps(b, b));
+      }
+      s0[k] = u;
+      s1[k] = v;
+    }
+    // x[j]: the four lanes t[0..3] of lane_total after its second step for
+    // heads j (low half) and j + 4 (high half); bf16 in the order t0 t2 t1 t3.
+    __m256 x[4];
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kBf16) {
+        // s0 lane m holds feature lane 2m, s1 lane m lane 2m + 1: halves
+        // gives e[m] = t[2m] and o[m] = t[2m + 1] of the first step.
+        const __m256 e = halves(s0[j], s0[j + 4]), o = halves(s1[j], s1[j + 4]);
+        x[j] = _mm256_add_ps(_mm256_shuffle_ps(e, o, 0x44), _mm256_shuffle_ps(e, o, 0xEE));
+      } else {
+        x[j] = halves(_mm256_add_ps(s0[j], s1[j]), _mm256_add_ps(s0[j + 4], s1[j + 4]));
+      }
+    }
+    // t[0] + t[2] and t[1] + t[3]: y[j] = (heads 2j, 2j + 1 | 2j + 4, 2j + 5).
+    constexpr int kLo = kBf16 ? 0x88 : 0x44, kHi = kBf16 ? 0xDD : 0xEE;
+    __m256 y[2];
+    for (int j = 0; j < 2; ++j)
+      y[j] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * j], x[2 * j + 1], kLo),
+                           _mm256_shuffle_ps(x[2 * j], x[2 * j + 1], kHi));
+    // t[0] + t[1]: heads 0-3 | 4-7.
+    const __m256 total =
+        _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88), _mm256_shuffle_ps(y[0], y[1], 0xDD));
+    const __m256 mean = _mm256_div_ps(total, _mm256_set1_ps(float(D)));
+    const __m256 root = _mm256_sqrt_ps(_mm256_add_ps(mean, _mm256_set1_ps(float(eps))));
+    _mm256_storeu_ps(out, _mm256_div_ps(_mm256_set1_ps(1.0f), root));
+  }
+
   // Normalises a head with its scale and rotates it, in rotate()'s loops.
   template <class T, bool Interleaved, class A>
   __attribute__((always_inline)) static void norm_rotate(const T* in, T* out,

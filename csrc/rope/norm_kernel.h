@@ -127,7 +127,8 @@ struct PortableNorm {
 
 // QK-RMSNorm + rotary of tokens [begin, end) of np: per token the table
 // (TokenTable of Head), then each head of q and k by the head type's
-// norm_scale and norm_rotate when it has them, else by PortableNorm's.
+// norm_scale and norm_rotate when it has them, else by PortableNorm's (and
+// the scales eight heads at a time by its norm_scales8, when it has one).
 template <class T, class CS, class Pos, bool Interleaved, class Head>
 void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
   using A = typename Acc<T>::type;
@@ -157,7 +158,16 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
       // dependent operations, which the CPU overlaps (head by head, each
       // chain would stall the rotation that needs it).
       HeadWalker w(p.t[t]);
-      for (int64_t head = 0; head < n; ++head, w.next())
+      int64_t head = 0;
+      if constexpr (requires(const T* const* x, A* s) { N::norm_scales8(x, 0, 0.0, s); }) {
+        if (D % 16 == 0)
+          for (; head + 8 <= n; head += 8) {
+            const T* heads[8];
+            for (int k = 0; k < 8; ++k, w.next()) heads[k] = in + w.in;
+            N::norm_scales8(heads, D, np.eps, &scales[size_t(head)]);
+          }
+      }
+      for (; head < n; ++head, w.next())
         scales[size_t(head)] = N::template norm_scale<T, A>(in + w.in, D, np.eps);
       HeadWalker v(p.t[t]);
       for (int64_t head = 0; head < n; ++head, v.next())
