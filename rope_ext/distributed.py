@@ -97,6 +97,7 @@ def register_sharding_rules() -> bool:
             ([p, p], [p, p, pp, R, *none]) for p, pp in _placements(q, positions, _mrope(rest, kwargs, 3))
         ]
 
+    @register_sharding(ops.rotary_qk_.plain)
     @register_sharding(ops.rotary_qk_.default)
     def _rotary_qk_inplace(q, k, positions, cos_sin, *rest, **kwargs):
         none = [None] * len(rest)
@@ -122,6 +123,7 @@ def register_sharding_rules() -> bool:
             for p, pp in _token_placements(q, positions, _mrope(rest, kwargs, 4))
         ]
 
+    @register_sharding(ops.qk_norm_rotary_packed_.plain)
     @register_sharding(ops.qk_norm_rotary_packed_.default)
     def _qk_norm_rotary_packed(qkv, hq, hk, hv, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
         from torch.distributed.tensor import Shard
@@ -135,6 +137,7 @@ def register_sharding_rules() -> bool:
             ([], [Shard(0), None, None, None, R, R, pos_tok, R, *none]),
         ]
 
+    @register_sharding(ops.rotary_qk_cache_.plain)
     @register_sharding(ops.rotary_qk_cache_.default)
     def _rotary_qk_cache(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, *rest, **kwargs):
         from torch.distributed.tensor import Shard

@@ -20,6 +20,10 @@ __all__ = ["apply_qk_norm_rotary", "apply_qk_norm_rotary_", "apply_rotary_qk_and
 _ops = torch.ops.rope_ext
 _cache_op = _ops.rotary_qk_cache_.default
 _packed_norm_op = _ops.qk_norm_rotary_packed_.default
+# The overloads with every option at its default, for the eager fast paths: a boxed call costs about
+# 0.27 us per schema argument, passed or defaulted.
+_cache_plain = _ops.rotary_qk_cache_.plain
+_packed_norm_plain = _ops.qk_norm_rotary_packed_.plain
 _is_compiling = torch.compiler.is_compiling
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DEFAULT_EPS = 1e-6  # the schemas' default eps
@@ -124,12 +128,12 @@ def apply_rotary_qk_and_cache_(
         and not _o._check_positions_on_device
         and not _is_compiling()
     ):
-        # The common eager call (a decode step): straight to the op, which checks everything else. Trailing
-        # arguments left at their defaults are not passed (each costs the call about half a microsecond).
+        # The common eager call (a decode step): straight to the op, which checks everything else; with no
+        # option set, the .plain overload. Trailing arguments left at their defaults are not passed.
         try:
             if q_out is None and not interleaved and layout == "NHD" and not rotary_offset:
                 if k_scale is None and v_scale is None:
-                    _cache_op(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping)
+                    _cache_plain(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping)
                 else:
                     _cache_op(
                         q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale
@@ -253,7 +257,7 @@ def apply_qk_norm_rotary_(
                     interleaved, float(weight_offset), rotary_offset,
                 )  # fmt: skip
             elif eps == _DEFAULT_EPS:
-                _packed_norm_op(
+                _packed_norm_plain(
                     qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin
                 )
             else:
@@ -380,6 +384,7 @@ def _fake_3d(x, name: str, shape: str) -> None:
         raise ValueError(f"{name} must be {shape}, got shape {list(x.shape)}")
 
 
+@torch.library.register_fake("rope_ext::rotary_qk_cache_.plain")
 @torch.library.register_fake("rope_ext::rotary_qk_cache_")
 def _rotary_qk_cache_fake(
     q,
@@ -470,6 +475,7 @@ def _qk_norm_rotary_fake(
     return _o._empty_output(q), _o._empty_output(k)
 
 
+@torch.library.register_fake("rope_ext::qk_norm_rotary_packed_.plain")
 @torch.library.register_fake("rope_ext::qk_norm_rotary_packed_")
 def _qk_norm_rotary_packed_fake(
     qkv,

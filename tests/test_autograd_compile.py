@@ -153,3 +153,96 @@ def test_compile_training_step(backend):
     gc = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k), (q, k))
     for a, b in zip(ge, gc, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The rope_ext op overloads a call reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "rope_ext":
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_cases(dtype):
+    """(plain overload, its args, the default overload's args with every option spelled out, the API call,
+    the mutated argument indices) for rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_."""
+    g = torch.Generator().manual_seed(5)
+    T, Hq, Hk, D = 6, 4, 2, 64
+    cs = rope_ext.RopeCache(D, max_positions=32).cos_sin
+    pos = torch.randint(0, 32, (T,), generator=g)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype)
+    q = qkv[:, : Hq * D].unflatten(-1, (Hq, D))
+    k = qkv[:, Hq * D : (Hq + Hk) * D].unflatten(-1, (Hk, D))
+    v = qkv[:, (Hq + Hk) * D :].unflatten(-1, (Hk, D))
+    kc = torch.randn(4, 4, Hk, D, generator=g).to(dtype)
+    vc = torch.randn(4, 4, Hk, D, generator=g).to(dtype)
+    slots = torch.tensor([3, -1, 9, 0, 15, 6])
+    qw, kw = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    heads = (Hq, Hk, Hk)
+    return [
+        (
+            OPS.rotary_qk_.plain,
+            (q, k, pos[:, None], cs),
+            (False, False, 0, None, False),
+            lambda a: rope_ext.apply_rotary_qk_(*a),
+            (0, 1),
+        ),
+        (
+            OPS.rotary_qk_cache_.plain,
+            (q, k, v, pos, cs, kc, vc, slots),
+            (None, None, None, None, False, "NHD", 0, None, False),
+            lambda a: rope_ext.apply_rotary_qk_and_cache_(*a),
+            (0, 1, 5, 6),
+        ),
+        (
+            OPS.qk_norm_rotary_packed_.plain,
+            (qkv, *heads, qw, kw, pos, cs),
+            (1e-6, False, 0.0, 0, None, False),
+            lambda a: rope_ext.apply_qk_norm_rotary_(*a),
+            (0,),
+        ),
+    ]
+
+
+def _clone_args(args):
+    """Fresh copies of the tensors (views of one qkv stay views of one copy)."""
+    base = args[0]._base if isinstance(args[0], torch.Tensor) and args[0]._base is not None else None
+    if base is None:
+        return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    copy = base.clone()
+    return tuple(
+        copy.as_strided(a.shape, a.stride(), a.storage_offset())
+        if isinstance(a, torch.Tensor) and a._base is base
+        else (a.clone() if isinstance(a, torch.Tensor) else a)
+        for a in args
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_overloads(dtype):
+    """The .plain overloads (every option at its default, for the eager fast paths) write what the default
+    overloads write with those defaults spelled out, bit for bit; the public API takes them when no option
+    is set; opcheck and torch.compile(fullgraph=True) pass."""
+    for plain, args, defaults, api, mutated in _plain_cases(dtype):
+        a, b, c = _clone_args(args), _clone_args(args), _clone_args(args)
+        plain(*a)
+        getattr(OPS, plain._schema.name.split("::")[1]).default(*b, *defaults)
+        for i in mutated:
+            assert torch.equal(a[i].view(torch.uint8), b[i].view(torch.uint8)), (plain, i)
+            assert not torch.equal(a[i], args[i]), (plain, i)  # the call did write
+        with _Recorder() as rec:
+            api(c)
+        assert rec.ops == [str(plain)], rec.ops
+        for i in mutated:
+            assert torch.equal(c[i].view(torch.uint8), a[i].view(torch.uint8)), (plain, i)
+        opcheck(plain, _clone_args(args))
+        compiled = torch.compile(lambda *t, op=plain: op(*t), fullgraph=True)
+        d = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in args)  # separate tensors
+        compiled(*d)
+        for i in mutated:
+            assert torch.equal(d[i].view(torch.uint8), a[i].view(torch.uint8)), (plain, i)

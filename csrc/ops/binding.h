@@ -177,6 +177,28 @@ std::tuple<Tensor, Tensor> qk_norm_rotary_on(Tensor q, Tensor k, Tensor q_weight
                         weight_offset, rotary_offset, mrope_section, mrope_interleaved, B);
 }
 
+// The .plain overloads: the ops above with every option at its default.
+template <const Backend& B>
+void rotary_qk_plain_on(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin) {
+  rotary_qk_(q, k, positions, cos_sin, false, false, 0, std::nullopt, false, B);
+}
+
+template <const Backend& B>
+void rotary_qk_cache_plain_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
+                              Tensor key_cache, Tensor value_cache, Tensor slot_mapping) {
+  rotary_qk_cache_(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, std::nullopt,
+                   std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false,
+                   B);
+}
+
+template <const Backend& B>
+void qk_norm_rotary_packed_plain_on(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
+                                    int64_t num_heads_v, Tensor q_weight, Tensor k_weight,
+                                    Tensor positions, Tensor cos_sin) {
+  qk_norm_rotary_packed_(qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions,
+                         cos_sin, 1e-6, false, 0.0, 0, std::nullopt, false, B);
+}
+
 // Checks the arguments of the serving ops and returns their kernel parameters
 // (no data touched). q_out / k_out of make_norm_params may be q / k.
 rope::CacheParams make_cache_params(

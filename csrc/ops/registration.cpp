@@ -66,6 +66,17 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps=1e-06, "
       "bool interleaved=False, float weight_offset=0., int rotary_offset=0, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+  // rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_ with every other
+  // argument at its default: the eager calls that pass no option (a decode
+  // step) take these, since a boxed call costs about 0.27 us per schema
+  // argument, passed or defaulted.
+  m.def("rotary_qk_.plain(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin) -> ()");
+  m.def(
+      "rotary_qk_cache_.plain(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "qk_norm_rotary_packed_.plain(Tensor(a!) qkv, int num_heads_q, int num_heads_k, "
+      "int num_heads_v, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin) -> ()");
   // The CPU kernel's instruction sets (csrc/rope/cpu.h), implemented in
   // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
   // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.
