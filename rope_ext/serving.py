@@ -26,7 +26,7 @@ _cache_plain = _ops.rotary_qk_cache_.plain
 _packed_norm_plain = _ops.qk_norm_rotary_packed_.plain
 _is_compiling = torch.compiler.is_compiling
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_DEFAULT_EPS = 1e-6  # the schemas' default eps
+_DEFAULT_EPS = 1e-6  # the schemas' default eps (csrc/ops/registration.cpp)
 
 
 def _token_positions(positions: Tensor, mrope_section) -> Tensor:
@@ -219,7 +219,7 @@ def apply_qk_norm_rotary_(
     positions: Tensor,
     cos_sin: Tensor,
     *,
-    eps: float = 1e-6,
+    eps: float = _DEFAULT_EPS,
     interleaved: bool = False,
     weight_offset: float = 0.0,
     rotary_offset: int = 0,
@@ -336,7 +336,7 @@ def apply_qk_norm_rotary(
     positions: Tensor,
     cos_sin: Tensor,
     *,
-    eps: float = 1e-6,
+    eps: float = _DEFAULT_EPS,
     interleaved: bool = False,
     weight_offset: float = 0.0,
     rotary_offset: int = 0,
@@ -442,7 +442,7 @@ def _qk_norm_rotary_inplace_fake(
     k_weight,
     positions,
     cos_sin,
-    eps=1e-6,
+    eps=_DEFAULT_EPS,
     interleaved=False,
     weight_offset=0.0,
     rotary_offset=0,
@@ -462,7 +462,7 @@ def _qk_norm_rotary_fake(
     k_weight,
     positions,
     cos_sin,
-    eps=1e-6,
+    eps=_DEFAULT_EPS,
     interleaved=False,
     weight_offset=0.0,
     rotary_offset=0,
@@ -486,7 +486,7 @@ def _qk_norm_rotary_packed_fake(
     k_weight,
     positions,
     cos_sin,
-    eps=1e-6,
+    eps=_DEFAULT_EPS,
     interleaved=False,
     weight_offset=0.0,
     rotary_offset=0,

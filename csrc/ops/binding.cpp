@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -24,14 +25,28 @@ std::string shape_str(IntRef s) {
   return os.str();
 }
 
-std::vector<int64_t> sizes_of(const Tensor& t) {
-  const auto s = t.sizes();
-  return {s.begin(), s.end()};
+ScalarType dtype_of(const Tensor& t) {
+  int32_t code = -1;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &code));
+  // ScalarType + 1 of each dtype code seen so far (0: not yet); the mapping is fixed.
+  static std::atomic<int16_t> seen[64];
+  if (code < 0 || code >= 64) return t.scalar_type();
+  int16_t v = seen[code].load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = int16_t(int(t.scalar_type()) + 1);
+    seen[code].store(v, std::memory_order_relaxed);
+  }
+  return ScalarType(v - 1);
 }
 
-std::vector<int64_t> strides_of(const Tensor& t) {
-  const auto s = t.strides();
-  return {s.begin(), s.end()};
+bool same_device(const Tensor& a, const Tensor& b) {
+  int32_t type[2], index[2];
+  for (int i = 0; i < 2; ++i) {
+    const Tensor& t = i ? b : a;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type[i]));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &index[i]));
+  }
+  return type[0] == type[1] && index[0] == index[1];
 }
 
 bool is_supported_float(ScalarType t) {
@@ -116,9 +131,9 @@ void fill_heads(rope::RotTensor& t, const Dims& dims) {
 
 void check_input(const Tensor& x, const char* name) {
   ROPE_CHECK(TypeError, x.defined(), name, " must be a tensor, got None");
-  ROPE_CHECK(TypeError, is_supported_float(x.scalar_type()), name,
+  ROPE_CHECK(TypeError, is_supported_float(dtype_of(x)), name,
              " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
-             x.scalar_type());
+             dtype_of(x));
   const int64_t dim = x.dim();
   ROPE_CHECK(ValueError, dim <= kMaxRank, name, " must have at most ", kMaxRank, " dims, got ",
              dim);
@@ -152,16 +167,16 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
                              const char* q_name, bool per_token) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
-  const ScalarType dtype = q_in.scalar_type();
+  const ScalarType dtype = dtype_of(q_in);
   const Layout qi(q_in);
   const Layout qo = &q_out == &q_in ? qi : Layout(q_out);
   const int64_t head_dim = qi.size.back();
   std::optional<Layout> ki, ko;
   if (k_in) {
     check_input(*k_in, "k");
-    ROPE_CHECK(TypeError, k_in->scalar_type() == dtype, "k must have the dtype of q (", dtype,
-               "), got ", k_in->scalar_type());
-    ROPE_CHECK(ValueError, k_in->device() == q_in.device(), "k must be on the device of q (",
+    ROPE_CHECK(TypeError, dtype_of(*k_in) == dtype, "k must have the dtype of q (", dtype,
+               "), got ", dtype_of(*k_in));
+    ROPE_CHECK(ValueError, same_device(*k_in, q_in), "k must be on the device of q (",
                device_str(q_in), "), got ", device_str(*k_in));
     ki.emplace(*k_in);
     ko = k_out == k_in ? ki : std::optional<Layout>(Layout(*k_out));
@@ -175,11 +190,11 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
   const IntRef cs_size = cos_sin.sizes(), cs_stride = cos_sin.strides();
   ROPE_CHECK(ValueError, cs_size.size() == 2,
              "cos_sin must have shape [positions, rotary_dim], got shape ", shape_str(cs_size));
-  const ScalarType cs_dtype = cos_sin.scalar_type();
+  const ScalarType cs_dtype = dtype_of(cos_sin);
   ROPE_CHECK(TypeError, cs_dtype == ScalarType::Float || cs_dtype == dtype,
              "cos_sin must be float32 or the dtype of ", xname, " (", dtype, "), got ", cs_dtype);
-  ROPE_CHECK(ValueError, cos_sin.device() == q_in.device(), "cos_sin must be on the device of ",
-             xname, " (", device_str(q_in), "), got ", device_str(cos_sin));
+  ROPE_CHECK(ValueError, same_device(cos_sin, q_in), "cos_sin must be on the device of ", xname,
+             " (", device_str(q_in), "), got ", device_str(cos_sin));
   const int64_t rotary_dim = cs_size[1];
   ROPE_CHECK(ValueError, rotary_dim > 0 && rotary_dim % 2 == 0,
              "rotary_dim (cos_sin.shape[-1]) must be even and positive, got ", rotary_dim);
@@ -193,11 +208,11 @@ rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tens
              shape_str(cs_stride));
 
   ROPE_CHECK(TypeError, positions.defined(), "positions must be a tensor, got None");
-  const ScalarType pos_dtype = positions.scalar_type();
+  const ScalarType pos_dtype = dtype_of(positions);
   ROPE_CHECK(TypeError, pos_dtype == ScalarType::Int || pos_dtype == ScalarType::Long,
              "positions must be an int32 or int64 tensor, got ", pos_dtype);
-  ROPE_CHECK(ValueError, positions.device() == q_in.device(), "positions must be on the device of ",
-             xname, " (", device_str(q_in), "), got ", device_str(positions));
+  ROPE_CHECK(ValueError, same_device(positions, q_in), "positions must be on the device of ", xname,
+             " (", device_str(q_in), "), got ", device_str(positions));
 
   // MRoPE: positions [3, ...]; the broadcast below is of positions[0] (its
   // sizes and strides, same data pointer), and sections 1 and 2 sit at the
@@ -340,7 +355,7 @@ Tensor empty_output(const Tensor& x) {
   Tensor out = torch::stable::empty_like(x);
   const int64_t dim = out.dim();
   if (dim > 0 && out.size(dim - 1) > 1 && out.stride(dim - 1) != 1)
-    out = torch::stable::empty(x.sizes(), x.scalar_type(), std::nullopt, x.device());
+    out = torch::stable::empty(x.sizes(), dtype_of(x), std::nullopt, x.device());
   return out;
 }
 

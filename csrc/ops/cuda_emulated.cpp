@@ -19,10 +19,10 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   const Tensor* kop = k_out.has_value() && k_out->defined() ? &*k_out : nullptr;
   using ValueError = std::invalid_argument;
   ROPE_CHECK(ValueError, (kp == nullptr) == (kop == nullptr), "k and k_out must be given together");
-  ROPE_CHECK(ValueError, sizes_of(q_out) == sizes_of(q) && q_out.scalar_type() == q.scalar_type(),
+  ROPE_CHECK(ValueError, q_out.sizes().equals(q.sizes()) && q_out.scalar_type() == q.scalar_type(),
              "q_out must match q in shape and dtype");
   ROPE_CHECK(ValueError,
-             !kp || (sizes_of(*kop) == sizes_of(*kp) && kop->scalar_type() == kp->scalar_type()),
+             !kp || (kop->sizes().equals(kp->sizes()) && kop->scalar_type() == kp->scalar_type()),
              "k_out must match k in shape and dtype");
   const auto p = make_params(q, q_out, kp, kop, positions, cos_sin, interleaved, inverse,
                              rotary_offset, mrope_section, mrope_interleaved);
@@ -76,9 +76,9 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
                                         int64_t rotary_offset, Sections mrope_section,
                                         bool mrope_interleaved) {
   using ValueError = std::invalid_argument;
-  ROPE_CHECK(ValueError, sizes_of(q_out) == sizes_of(q) && q_out.scalar_type() == q.scalar_type(),
+  ROPE_CHECK(ValueError, q_out.sizes().equals(q.sizes()) && q_out.scalar_type() == q.scalar_type(),
              "q_out must match q in shape and dtype");
-  ROPE_CHECK(ValueError, sizes_of(k_out) == sizes_of(k) && k_out.scalar_type() == k.scalar_type(),
+  ROPE_CHECK(ValueError, k_out.sizes().equals(k.sizes()) && k_out.scalar_type() == k.scalar_type(),
              "k_out must match k in shape and dtype");
   const auto np =
       make_norm_params(q, q_out, k, k_out, q_weight, k_weight, positions, cos_sin, eps, interleaved,

@@ -55,6 +55,15 @@ std::vector<int64_t> run_starts(const Layout& t, int64_t base,
 
 bool self_overlaps(const Layout& t) {
   if (t.numel() <= 1) return false;
+  // Strides that nest in the order of the dims, innermost last (a view of a
+  // row-major tensor): no element twice, decided without sorting.
+  int64_t reach = 1;
+  for (int64_t d = t.dim() - 1; d >= 0 && reach > 0; --d) {
+    if (t.size[d] <= 1) continue;
+    const int64_t stride = std::abs(t.stride[d]);
+    reach = stride < reach ? 0 : stride * (t.size[d] - 1) + reach;
+  }
+  if (reach > 0) return false;
   std::vector<std::pair<int64_t, int64_t>> dims;
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size[d] <= 1) continue;
@@ -62,7 +71,7 @@ bool self_overlaps(const Layout& t) {
     dims.emplace_back(t.size[d], std::abs(t.stride[d]));
   }
   std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second < b.second; });
-  int64_t reach = 1;
+  reach = 1;
   bool nested = true;
   for (auto [size, stride] : dims) {
     if (stride < reach) {

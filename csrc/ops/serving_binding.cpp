@@ -37,12 +37,12 @@ void check_3d(const Tensor& x, const char* name, const char* shape) {
 // A one-element float32 scale on x's device (null when absent).
 const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Tensor& x) {
   if (!s.has_value() || !s->defined()) return nullptr;
-  ROPE_CHECK(TypeError, s->scalar_type() == ScalarType::Float, name,
-             " must be a float32 tensor of one element, got ", s->scalar_type());
+  ROPE_CHECK(TypeError, dtype_of(*s) == ScalarType::Float, name,
+             " must be a float32 tensor of one element, got ", dtype_of(*s));
   ROPE_CHECK(ValueError, s->numel() == 1, name, " must have one element, got shape ",
              shape_str(s->sizes()));
-  ROPE_CHECK(ValueError, s->device() == x.device(), name, " must be on the device of q (",
-             device_str(x), "), got ", device_str(*s));
+  ROPE_CHECK(ValueError, same_device(*s, x), name, " must be on the device of q (", device_str(x),
+             "), got ", device_str(*s));
   return static_cast<const float*>(s->data_ptr());
 }
 
@@ -82,21 +82,21 @@ rope::CacheParams make_cache_params(
              shape_str(v.sizes()));
   ROPE_CHECK(ValueError, v.size(1) == Hk, "v must have the heads of k (", Hk, "), got shape ",
              shape_str(v.sizes()));
-  ROPE_CHECK(TypeError, v.scalar_type() == q.scalar_type(), "v must have the dtype of q (",
-             q.scalar_type(), "), got ", v.scalar_type());
-  ROPE_CHECK(ValueError, v.device() == q.device(), "v must be on the device of q (", device_str(q),
+  ROPE_CHECK(TypeError, dtype_of(v) == dtype_of(q), "v must have the dtype of q (", dtype_of(q),
+             "), got ", dtype_of(v));
+  ROPE_CHECK(ValueError, same_device(v, q), "v must be on the device of q (", device_str(q),
              "), got ", device_str(v));
 
   const Tensor* qo = q_out.has_value() && q_out->defined() ? &*q_out : nullptr;
-  const rope::Fp8 q_fp8 = qo ? fp8_of(qo->scalar_type()) : rope::Fp8::kNone;
+  const rope::Fp8 q_fp8 = qo ? fp8_of(dtype_of(*qo)) : rope::Fp8::kNone;
   if (qo) {
-    ROPE_CHECK(TypeError, qo->scalar_type() == q.scalar_type() || q_fp8 != rope::Fp8::kNone,
-               "q_out must have the dtype of q (", q.scalar_type(),
-               ") or be float8_e4m3fn / float8_e5m2, got ", qo->scalar_type());
-    ROPE_CHECK(ValueError, sizes_of(*qo) == sizes_of(q), "q_out must have the shape of q (",
+    ROPE_CHECK(TypeError, dtype_of(*qo) == dtype_of(q) || q_fp8 != rope::Fp8::kNone,
+               "q_out must have the dtype of q (", dtype_of(q),
+               ") or be float8_e4m3fn / float8_e5m2, got ", dtype_of(*qo));
+    ROPE_CHECK(ValueError, qo->sizes().equals(q.sizes()), "q_out must have the shape of q (",
                shape_str(q.sizes()), "), got ", shape_str(qo->sizes()));
-    ROPE_CHECK(ValueError, qo->device() == q.device(), "q_out must be on the device of q (",
-               device_str(q), "), got ", device_str(*qo));
+    ROPE_CHECK(ValueError, same_device(*qo, q), "q_out must be on the device of q (", device_str(q),
+               "), got ", device_str(*qo));
     ROPE_CHECK(ValueError, D <= 1 || qo->stride(2) == 1,
                "q_out must have a contiguous last dim (stride 1), got strides ",
                shape_str(qo->strides()));
@@ -124,29 +124,27 @@ rope::CacheParams make_cache_params(
     ROPE_CHECK(ValueError, c->dim() == 4, name, " must be 4-d ",
                nhd ? "[num_blocks, block_size, Hk, dim]" : "[num_blocks, Hk, block_size, dim]",
                " (layout='", layout, "'), got shape ", shape_str(c->sizes()));
-    ROPE_CHECK(ValueError, c->device() == q.device(), name, " must be on the device of q (",
-               device_str(q), "), got ", device_str(*c));
+    ROPE_CHECK(ValueError, same_device(*c, q), name, " must be on the device of q (", device_str(q),
+               "), got ", device_str(*c));
     ROPE_CHECK(ValueError, c->size(3) <= 1 || c->stride(3) == 1, name,
                " must have a contiguous last dim (stride 1), got strides ",
                shape_str(c->strides()));
   }
-  const ScalarType cache_dtype = key_cache.scalar_type();
+  const ScalarType cache_dtype = dtype_of(key_cache);
   cp.cache_fp8 = fp8_of(cache_dtype);
-  ROPE_CHECK(TypeError, cache_dtype == q.scalar_type() || cp.cache_fp8 != rope::Fp8::kNone,
-             "key_cache must have the dtype of q (", q.scalar_type(),
+  ROPE_CHECK(TypeError, cache_dtype == dtype_of(q) || cp.cache_fp8 != rope::Fp8::kNone,
+             "key_cache must have the dtype of q (", dtype_of(q),
              ") or be float8_e4m3fn / float8_e5m2, got ", cache_dtype);
-  ROPE_CHECK(TypeError, value_cache.scalar_type() == cache_dtype,
+  ROPE_CHECK(TypeError, dtype_of(value_cache) == cache_dtype,
              "value_cache must have the dtype of key_cache (", cache_dtype, "), got ",
-             value_cache.scalar_type());
+             dtype_of(value_cache));
   const int64_t NB = key_cache.size(0), BS = key_cache.size(nhd ? 1 : 2);
-  const std::vector<int64_t> want_k =
-      nhd ? std::vector<int64_t>{NB, BS, Hk, D} : std::vector<int64_t>{NB, Hk, BS, D};
-  const std::vector<int64_t> want_v =
-      nhd ? std::vector<int64_t>{NB, BS, Hk, Dv} : std::vector<int64_t>{NB, Hk, BS, Dv};
-  ROPE_CHECK(ValueError, sizes_of(key_cache) == want_k, "key_cache must have shape ",
+  const int64_t want_k[4] = {NB, nhd ? BS : Hk, nhd ? Hk : BS, D};
+  const int64_t want_v[4] = {NB, nhd ? BS : Hk, nhd ? Hk : BS, Dv};
+  ROPE_CHECK(ValueError, key_cache.sizes().equals(want_k), "key_cache must have shape ",
              shape_str(want_k), " for k of shape ", shape_str(k.sizes()), " (layout='", layout,
              "'), got ", shape_str(key_cache.sizes()));
-  ROPE_CHECK(ValueError, sizes_of(value_cache) == want_v, "value_cache must have shape ",
+  ROPE_CHECK(ValueError, value_cache.sizes().equals(want_v), "value_cache must have shape ",
              shape_str(want_v), " for v of shape ", shape_str(v.sizes()), " (layout='", layout,
              "'), got ", shape_str(value_cache.sizes()));
   auto paged = [&](const Tensor& c, const float* scale) {
@@ -167,16 +165,15 @@ rope::CacheParams make_cache_params(
   cp.n_cache_slots = NB * BS;
 
   ROPE_CHECK(TypeError, slot_mapping.defined(), "slot_mapping must be a tensor, got None");
-  ROPE_CHECK(TypeError, slot_mapping.scalar_type() == ScalarType::Long,
-             "slot_mapping must be an int64 tensor, got ", slot_mapping.scalar_type());
+  ROPE_CHECK(TypeError, dtype_of(slot_mapping) == ScalarType::Long,
+             "slot_mapping must be an int64 tensor, got ", dtype_of(slot_mapping));
   ROPE_CHECK(ValueError, slot_mapping.dim() == 1 && slot_mapping.size(0) <= T,
              "slot_mapping must be [T'] with T' <= T = ", T, ", got shape ",
              shape_str(slot_mapping.sizes()));
   ROPE_CHECK(ValueError, slot_mapping.size(0) <= 1 || slot_mapping.stride(0) == 1,
              "slot_mapping must be contiguous, got strides ", shape_str(slot_mapping.strides()));
-  ROPE_CHECK(ValueError, slot_mapping.device() == q.device(),
-             "slot_mapping must be on the device of q (", device_str(q), "), got ",
-             device_str(slot_mapping));
+  ROPE_CHECK(ValueError, same_device(slot_mapping, q), "slot_mapping must be on the device of q (",
+             device_str(q), "), got ", device_str(slot_mapping));
   cp.slots = static_cast<const int64_t*>(slot_mapping.data_ptr());
   cp.n_slots = slot_mapping.size(0);
 
@@ -262,17 +259,17 @@ rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Te
   int i = 0;
   for (const auto& [w, name] : {std::pair{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
     ROPE_CHECK(TypeError, w->defined(), name, " must be a tensor, got None");
-    ROPE_CHECK(TypeError, is_supported_float(w->scalar_type()), name,
+    ROPE_CHECK(TypeError, is_supported_float(dtype_of(*w)), name,
                " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
-               w->scalar_type());
+               dtype_of(*w));
     ROPE_CHECK(ValueError, w->dim() == 1 && w->size(0) == D, name, " must be [D] = [", D,
                "], got shape ", shape_str(w->sizes()));
     ROPE_CHECK(ValueError, D <= 1 || w->stride(0) == 1, name, " must be contiguous, got strides ",
                shape_str(w->strides()));
-    ROPE_CHECK(ValueError, w->device() == q.device(), name, " must be on the device of q (",
-               device_str(q), "), got ", device_str(*w));
+    ROPE_CHECK(ValueError, same_device(*w, q), name, " must be on the device of q (", device_str(q),
+               "), got ", device_str(*w));
     np.weight[i] = w->data_ptr();
-    np.w_dtype[i] = to_dtype(w->scalar_type());
+    np.w_dtype[i] = to_dtype(dtype_of(*w));
     ++i;
   }
   np.eps = eps;

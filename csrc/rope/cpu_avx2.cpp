@@ -350,8 +350,31 @@ struct Avx2Head : ScalarTable {
       return n;
   }
 
-  // The RMSNorm scale of a head: 16 lanes as two vectors (bf16: load16's even
-  // and odd features; others: features 0-7 and 8-15 of each block of 16),
+  // The squares of a head's whole blocks of 16 features summed in 16 lanes,
+  // as two vectors (bf16: load16's even and odd features; others: features
+  // 0-7 and 8-15 of each block). Returns the features summed.
+  template <class T>
+  __attribute__((always_inline)) static int block_squares(const T* in, int D, __m256& s0,
+                                                          __m256& s1) {
+    __m256 u = _mm256_setzero_ps(), v = _mm256_setzero_ps();  // in registers
+    int i = 0;
+    for (; i + 16 <= D; i += 16) {
+      __m256 a, b;
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        load16(in + i, a, b);
+      } else {
+        a = load8(in + i);
+        b = load8(in + i + 8);
+      }
+      u = _mm256_add_ps(u, _mm256_mul_ps(a, a));
+      v = _mm256_add_ps(v, _mm256_mul_ps(b, b));
+    }
+    s0 = u;
+    s1 = v;
+    return i;
+  }
+
+  // The RMSNorm scale of a head: block_squares' 16 lanes (and the tail's)
   // added as lane_total's tree.
   template <class T, class A>
   __attribute__((always_inline)) static A norm_scale(const T* in, int D, double eps) {
@@ -359,19 +382,8 @@ struct Avx2Head : ScalarTable {
       return PortableNorm::norm_scale<T, A>(in, D, eps);
     } else {
       constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
-      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-      int i = 0;
-      for (; i + 16 <= D; i += 16) {
-        __m256 a, b;
-        if constexpr (kBf16) {
-          load16(in + i, a, b);
-        } else {
-          a = load8(in + i);
-          b = load8(in + i + 8);
-        }
-        s0 = _mm256_add_ps(s0, _mm256_mul_ps(a, a));
-        s1 = _mm256_add_ps(s1, _mm256_mul_ps(b, b));
-      }
+      __m256 s0, s1;
+      const int i = block_squares(in, D, s0, s1);
       if constexpr (kBf16) {
         // Lanes 0-7 and 8-15 in feature order.
         const __m256 lo = _mm256_unpacklo_ps(s0, s1), hi = _mm256_unpackhi_ps(s0, s1);
@@ -404,7 +416,7 @@ struct Avx2Head : ScalarTable {
   }
 
   // The RMSNorm scales of eight heads (in[k]: head k's first feature), D a
-  // multiple of 16: each head's lanes as norm_scale sums them, then
+  // multiple of 16: each head's block_squares, as norm_scale sums them, then
   // lane_total's tree for the eight heads at once (the vectors transposed as
   // the tree goes, so that every addition is the one norm_scale makes), and
   // rms_inverse in vectors (IEEE division and square root: the same bits). A
@@ -415,22 +427,7 @@ struct Avx2Head : ScalarTable {
                                                           float* out) {
     constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
     __m256 s0[8], s1[8];
-    for (int k = 0; k < 8; ++k) {
-      __m256 u = _mm256_setzero_ps(), v = _mm256_setzero_ps();  // in registers
-      for (int i = 0; i < D; i += 16) {
-        __m256 a, b;
-        if constexpr (kBf16) {
-          load16(in[k] + i, a, b);
-        } else {
-          a = load8(in[k] + i);
-          b = load8(in[k] + i + 8);
-        }
-        u = _mm256_add_ps(u, _mm256_mul_ps(a, a));
-        v = _mm256_add_ps(v, _mm256_mul_ps(b, b));
-      }
-      s0[k] = u;
-      s1[k] = v;
-    }
+    for (int k = 0; k < 8; ++k) block_squares(in[k], D, s0[k], s1[k]);
     // x[j]: the four lanes t[0..3] of lane_total after its second step for
     // heads j (low half) and j + 4 (high half); bf16 in the order t0 t2 t1 t3.
     __m256 x[4];
