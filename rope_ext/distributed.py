@@ -137,6 +137,7 @@ def register_sharding_rules() -> bool:
             ([], [Shard(0), None, None, None, R, R, pos_tok, R, *none]),
         ]
 
+    @register_sharding(ops.rotary_qk_cache_.scaled)
     @register_sharding(ops.rotary_qk_cache_.plain)
     @register_sharding(ops.rotary_qk_cache_.default)
     def _rotary_qk_cache(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, *rest, **kwargs):

@@ -23,6 +23,7 @@ _packed_norm_op = _ops.qk_norm_rotary_packed_.default
 # The overloads with every option at its default, for the eager fast paths: a boxed call costs about
 # 0.27 us per schema argument, passed or defaulted.
 _cache_plain = _ops.rotary_qk_cache_.plain
+_cache_scaled = _ops.rotary_qk_cache_.scaled
 _packed_norm_plain = _ops.qk_norm_rotary_packed_.plain
 _is_compiling = torch.compiler.is_compiling
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -129,11 +130,16 @@ def apply_rotary_qk_and_cache_(
         and not _is_compiling()
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else; with no
-        # option set, the .plain overload. Trailing arguments left at their defaults are not passed.
+        # option set, the .plain overload (.scaled with both scales). Trailing arguments left at their
+        # defaults are not passed.
         try:
             if q_out is None and not interleaved and layout == "NHD" and not rotary_offset:
                 if k_scale is None and v_scale is None:
                     _cache_plain(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping)
+                elif type(k_scale) is type(v_scale) is Tensor:
+                    _cache_scaled(
+                        q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale
+                    )
                 else:
                     _cache_op(
                         q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale
@@ -384,6 +390,7 @@ def _fake_3d(x, name: str, shape: str) -> None:
         raise ValueError(f"{name} must be {shape}, got shape {list(x.shape)}")
 
 
+@torch.library.register_fake("rope_ext::rotary_qk_cache_.scaled")
 @torch.library.register_fake("rope_ext::rotary_qk_cache_.plain")
 @torch.library.register_fake("rope_ext::rotary_qk_cache_")
 def _rotary_qk_cache_fake(

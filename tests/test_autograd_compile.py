@@ -169,8 +169,9 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _plain_cases(dtype):
-    """(plain overload, its args, the default overload's args with every option spelled out, the API call,
-    the mutated argument indices) for rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_."""
+    """(short overload, its args, the default overload's args with every option spelled out, the API call,
+    the mutated argument indices) for rotary_qk_, rotary_qk_cache_ (.plain, and .scaled into fp8 caches)
+    and qk_norm_rotary_packed_."""
     g = torch.Generator().manual_seed(5)
     T, Hq, Hk, D = 6, 4, 2, 64
     cs = rope_ext.RopeCache(D, max_positions=32).cos_sin
@@ -181,6 +182,8 @@ def _plain_cases(dtype):
     v = qkv[:, (Hq + Hk) * D :].unflatten(-1, (Hk, D))
     kc = torch.randn(4, 4, Hk, D, generator=g).to(dtype)
     vc = torch.randn(4, 4, Hk, D, generator=g).to(dtype)
+    kc8, vc8 = (torch.randn(4, 4, Hk, D, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+    scales = torch.tensor([0.02]), torch.tensor([0.015])
     slots = torch.tensor([3, -1, 9, 0, 15, 6])
     qw, kw = torch.randn(D, generator=g), torch.randn(D, generator=g)
     heads = (Hq, Hk, Hk)
@@ -197,6 +200,13 @@ def _plain_cases(dtype):
             (q, k, v, pos, cs, kc, vc, slots),
             (None, None, None, None, False, "NHD", 0, None, False),
             lambda a: rope_ext.apply_rotary_qk_and_cache_(*a),
+            (0, 1, 5, 6),
+        ),
+        (
+            OPS.rotary_qk_cache_.scaled,
+            (q, k, v, pos, cs, kc8, vc8, slots, *scales),
+            (None, None, False, "NHD", 0, None, False),
+            lambda a: rope_ext.apply_rotary_qk_and_cache_(*a[:8], k_scale=a[8], v_scale=a[9]),
             (0, 1, 5, 6),
         ),
         (
@@ -225,22 +235,25 @@ def _clone_args(args):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_overloads(dtype):
-    """The .plain overloads (every option at its default, for the eager fast paths) write what the default
-    overloads write with those defaults spelled out, bit for bit; the public API takes them when no option
-    is set; opcheck and torch.compile(fullgraph=True) pass."""
+    """The .plain and .scaled overloads (every other option at its default, for the eager fast paths) write
+    what the default overloads write with those defaults spelled out, bit for bit; the public API takes them
+    when no other option is set; opcheck and torch.compile(fullgraph=True) pass."""
     for plain, args, defaults, api, mutated in _plain_cases(dtype):
         a, b, c = _clone_args(args), _clone_args(args), _clone_args(args)
         plain(*a)
         getattr(OPS, plain._schema.name.split("::")[1]).default(*b, *defaults)
         for i in mutated:
             assert torch.equal(a[i].view(torch.uint8), b[i].view(torch.uint8)), (plain, i)
-            assert not torch.equal(a[i], args[i]), (plain, i)  # the call did write
+            assert not torch.equal(a[i].view(torch.uint8), args[i].view(torch.uint8)), (plain, i)  # it wrote
         with _Recorder() as rec:
             api(c)
         assert rec.ops == [str(plain)], rec.ops
         for i in mutated:
             assert torch.equal(c[i].view(torch.uint8), a[i].view(torch.uint8)), (plain, i)
-        opcheck(plain, _clone_args(args))
+        # test_schema compares mutated arguments with torch.allclose, which has no fp8 kernel: fp8 skips it
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        fp8 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in args)
+        opcheck(plain, _clone_args(args), test_utils=utils if fp8 else ("test_schema", *utils))
         compiled = torch.compile(lambda *t, op=plain: op(*t), fullgraph=True)
         d = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in args)  # separate tensors
         compiled(*d)

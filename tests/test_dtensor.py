@@ -214,11 +214,16 @@ def _serving_ops(rank, world_size):
 
     # the packed op (the eager API's call on qkv): tokens sharded with the positions, or all replicated
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(DEVICE)
-    want_qkv = qkv.clone()
+    want_qkv, qkv0 = qkv.clone(), qkv.clone()  # (a replicated DTensor shares its tensor's memory)
     torch.ops.rope_ext.qk_norm_rotary_packed_(want_qkv, Hq, Hk, Hk, qw, kw, pos, cs)
     for tok in (Shard(0), R):
         dqkv = d(qkv, tok)
         torch.ops.rope_ext.qk_norm_rotary_packed_(dqkv, Hq, Hk, Hk, d(qw, R), d(kw, R), d(pos, tok), d(cs, R))
+        assert tuple(dqkv.placements) == (tok,) and torch.equal(dqkv.full_tensor(), want_qkv)
+        dqkv = d(qkv0.clone(), tok)
+        torch.ops.rope_ext.qk_norm_rotary_packed_.plain(
+            dqkv, Hq, Hk, Hk, d(qw, R), d(kw, R), d(pos, tok), d(cs, R)
+        )
         assert tuple(dqkv.placements) == (tok,) and torch.equal(dqkv.full_tensor(), want_qkv)
 
     slots = torch.randperm(4 * 16, generator=g)[:T].to(DEVICE)
@@ -226,6 +231,7 @@ def _serving_ops(rank, world_size):
         shape = (4, 16, Hk, D) if layout == "NHD" else (4, Hk, 16, D)
         kc, vc = torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)
         q1, k1, kc1, vc1 = q.clone(), k.clone(), kc.clone(), vc.clone()
+        q0, k0 = q.clone(), k.clone()  # q and k as they are before any call of this layout
         rope_ext.apply_rotary_qk_and_cache_(q1, k1, v, pos, cs, kc1, vc1, slots, layout=layout)
         for pl, cache_pl in ((Shard(1), Shard(heads_dim)), (R, R)):
             dq, dk, dv = d(q, pl), d(k, pl), d(v, pl)
@@ -236,6 +242,18 @@ def _serving_ops(rank, world_size):
             assert tuple(dkc.placements) == (cache_pl,)
             assert torch.equal(dq.full_tensor(), q1) and torch.equal(dk.full_tensor(), k1)
             assert torch.equal(dkc.full_tensor(), kc1) and torch.equal(dvc.full_tensor(), vc1)
+            if layout != "NHD":
+                continue
+            # the short overloads of the eager fast path (scales of a cache of q's dtype are ignored)
+            ops = torch.ops.rope_ext
+            one = d(torch.ones(1, device=DEVICE), R)
+            for op, scales in ((ops.rotary_qk_cache_.plain, ()), (ops.rotary_qk_cache_.scaled, (one, one))):
+                dq, dk, dv = d(q0.clone(), pl), d(k0.clone(), pl), d(v, pl)
+                dkc, dvc = d(torch.zeros_like(kc), cache_pl), d(torch.zeros_like(vc), cache_pl)
+                op(dq, dk, dv, d(pos, R), d(cs, R), dkc, dvc, d(slots, R), *scales)
+                assert tuple(dkc.placements) == (cache_pl,) and tuple(dq.placements) == (pl,)
+                assert torch.equal(dq.full_tensor(), q1) and torch.equal(dk.full_tensor(), k1)
+                assert torch.equal(dkc.full_tensor(), kc1) and torch.equal(dvc.full_tensor(), vc1)
     return True
 
 
@@ -282,7 +300,9 @@ def test_rules_are_registered_on_import():
         "rotary_qk_cache_",
         "qk_norm_rotary_packed_",
     ):
-        assert getattr(torch.ops.rope_ext, op).default in strategies
+        packet = getattr(torch.ops.rope_ext, op)
+        for overload in packet.overloads():  # .plain and .scaled too
+            assert getattr(packet, overload) in strategies, (op, overload)
 
 
 def test_no_communication_code_of_our_own():

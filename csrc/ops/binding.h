@@ -195,6 +195,14 @@ void rotary_qk_cache_plain_on(Tensor q, Tensor k, Tensor v, Tensor positions, Te
 }
 
 template <const Backend& B>
+void rotary_qk_cache_scaled_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
+                               Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+                               Tensor k_scale, Tensor v_scale) {
+  rotary_qk_cache_(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
+                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false, B);
+}
+
+template <const Backend& B>
 void qk_norm_rotary_packed_plain_on(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
                                     int64_t num_heads_v, Tensor q_weight, Tensor k_weight,
                                     Tensor positions, Tensor cos_sin) {

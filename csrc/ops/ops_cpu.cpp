@@ -92,6 +92,8 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("qk_norm_rotary_packed_", TORCH_BOX(&rope_ext::qk_norm_rotary_packed_on<rope_ext::kCpu>));
   m.impl("rotary_qk_.plain", TORCH_BOX(&rope_ext::rotary_qk_plain_on<rope_ext::kCpu>));
   m.impl("rotary_qk_cache_.plain", TORCH_BOX(&rope_ext::rotary_qk_cache_plain_on<rope_ext::kCpu>));
+  m.impl("rotary_qk_cache_.scaled",
+         TORCH_BOX(&rope_ext::rotary_qk_cache_scaled_on<rope_ext::kCpu>));
   m.impl("qk_norm_rotary_packed_.plain",
          TORCH_BOX(&rope_ext::qk_norm_rotary_packed_plain_on<rope_ext::kCpu>));
 }

@@ -69,11 +69,16 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   // rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_ with every other
   // argument at its default: the eager calls that pass no option (a decode
   // step) take these, since a boxed call costs about 0.27 us per schema
-  // argument, passed or defaulted.
+  // argument, passed or defaulted. rotary_qk_cache_.scaled adds k_scale and
+  // v_scale: fp8 caches, and callers that always pass scales (vLLM's).
   m.def("rotary_qk_.plain(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin) -> ()");
   m.def(
       "rotary_qk_cache_.plain(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "rotary_qk_cache_.scaled(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+      "Tensor k_scale, Tensor v_scale) -> ()");
   m.def(
       "qk_norm_rotary_packed_.plain(Tensor(a!) qkv, int num_heads_q, int num_heads_k, "
       "int num_heads_v, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin) -> ()");
