@@ -129,7 +129,7 @@ void fill_heads(rope::RotTensor& t, const Dims& dims) {
 
 }  // namespace
 
-void check_input(const Tensor& x, const char* name) {
+void check_input(const Arg& x, const char* name) {
   ROPE_CHECK(TypeError, x.defined(), name, " must be a tensor, got None");
   ROPE_CHECK(TypeError, is_supported_float(dtype_of(x)), name,
              " must be a floating tensor (float32, float64, float16 or bfloat16), got ",
@@ -146,13 +146,13 @@ void check_input(const Tensor& x, const char* name) {
              " must have a contiguous last dim (stride 1), got strides ", shape_str(x.strides()));
 }
 
-void check_writable(const Tensor& q, const Tensor* k) {
-  const Layout ql(q);
+void check_writable(const Arg& q, const Arg* k) {
+  const Layout& ql = q.layout();
   ROPE_CHECK(ValueError, !self_overlaps(ql),
              "q has elements that overlap in memory (expanded or stride-0 view, strides ",
              shape_str(ql.stride), "); an in-place rotation needs a writable tensor");
   if (!k) return;
-  const Layout kl(*k);
+  const Layout& kl = k->layout();
   ROPE_CHECK(ValueError, !self_overlaps(kl),
              "k has elements that overlap in memory (expanded or stride-0 view, strides ",
              shape_str(kl.stride), "); an in-place rotation needs a writable tensor");
@@ -160,26 +160,24 @@ void check_writable(const Tensor& q, const Tensor* k) {
              "q and k overlap in memory; an in-place rotation needs separate tensors");
 }
 
-rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tensor* k_in,
-                             const Tensor* k_out, const Tensor& positions, const Tensor& cos_sin,
-                             bool interleaved, bool inverse, int64_t rotary_offset,
-                             const Sections& mrope_section, bool mrope_interleaved,
-                             const char* q_name, bool per_token) {
+rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
+                             const Tensor& positions, const Tensor& cos_sin, bool interleaved,
+                             bool inverse, int64_t rotary_offset, const Sections& mrope_section,
+                             bool mrope_interleaved, const char* q_name, bool per_token) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
   const ScalarType dtype = dtype_of(q_in);
-  const Layout qi(q_in);
-  const Layout qo = &q_out == &q_in ? qi : Layout(q_out);
+  const Layout& qi = q_in.layout();
+  const Layout& qo = q_out.layout();
   const int64_t head_dim = qi.size.back();
-  std::optional<Layout> ki, ko;
+  const Layout* ki = k_in ? &k_in->layout() : nullptr;
+  const Layout* ko = k_out ? &k_out->layout() : nullptr;
   if (k_in) {
     check_input(*k_in, "k");
     ROPE_CHECK(TypeError, dtype_of(*k_in) == dtype, "k must have the dtype of q (", dtype,
                "), got ", dtype_of(*k_in));
     ROPE_CHECK(ValueError, same_device(*k_in, q_in), "k must be on the device of q (",
                device_str(q_in), "), got ", device_str(*k_in));
-    ki.emplace(*k_in);
-    ko = k_out == k_in ? ki : std::optional<Layout>(Layout(*k_out));
     ROPE_CHECK(ValueError, ki->dim() == qi.dim(), "k must have the rank of q (", qi.dim(),
                "), got shape ", shape_str(ki->size));
     ROPE_CHECK(ValueError, ki->size.back() == head_dim, "k must have the head_dim of q (", head_dim,
@@ -362,10 +360,11 @@ Tensor empty_output(const Tensor& x) {
 Tensor rotary(const Tensor& x, const Tensor& positions, const Tensor& cos_sin, bool interleaved,
               bool inverse, int64_t rotary_offset, const Sections& mrope_section,
               bool mrope_interleaved, const Backend& backend) {
-  check_input(x, "x");
+  const Arg xa(x);
+  check_input(xa, "x");
   Tensor out = empty_output(x);
-  const auto p = make_params(x, out, nullptr, nullptr, positions, cos_sin, interleaved, inverse,
-                             rotary_offset, mrope_section, mrope_interleaved);
+  const auto p = make_params(xa, Arg(out), nullptr, nullptr, positions, cos_sin, interleaved,
+                             inverse, rotary_offset, mrope_section, mrope_interleaved);
   run(p, x, backend);
   return out;
 }
@@ -374,10 +373,12 @@ std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Ten
                                      const Tensor& cos_sin, bool interleaved, bool inverse,
                                      int64_t rotary_offset, const Sections& mrope_section,
                                      bool mrope_interleaved, const Backend& backend) {
-  check_input(q, "q");
-  check_input(k, "k");
+  const Arg qa(q), ka(k);
+  check_input(qa, "q");
+  check_input(ka, "k");
   Tensor q_out = empty_output(q), k_out = empty_output(k);
-  const auto p = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, inverse,
+  const Arg qo(q_out), ko(k_out);
+  const auto p = make_params(qa, qo, &ka, &ko, positions, cos_sin, interleaved, inverse,
                              rotary_offset, mrope_section, mrope_interleaved);
   run(p, q, backend);
   return {q_out, k_out};
@@ -386,10 +387,13 @@ std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Ten
 void rotary_qk_(const Tensor& q, const std::optional<Tensor>& k, const Tensor& positions,
                 const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
                 const Sections& mrope_section, bool mrope_interleaved, const Backend& backend) {
-  const Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
-  const auto p = make_params(q, q, kp, kp, positions, cos_sin, interleaved, inverse, rotary_offset,
-                             mrope_section, mrope_interleaved, "q");
-  check_writable(q, kp);
+  const Arg qa(q);
+  std::optional<Arg> ka;
+  if (k.has_value() && k->defined()) ka.emplace(*k);
+  const Arg* kp = ka ? &*ka : nullptr;
+  const auto p = make_params(qa, qa, kp, kp, positions, cos_sin, interleaved, inverse,
+                             rotary_offset, mrope_section, mrope_interleaved, "q");
+  check_writable(qa, kp);
   run(p, q, backend);
 }
 

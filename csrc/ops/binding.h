@@ -29,6 +29,7 @@ namespace rope_ext {
 using torch::stable::Tensor;
 using Sections = std::optional<std::vector<int64_t>>;
 using IntRef = torch::headeronly::IntHeaderOnlyArrayRef;
+class Arg;  // layout.h
 
 // A wrong type or dtype. Its message starts with the argument's name and
 // contains " must be " or " must have the dtype"; rope_ext/ops.py re-raises it
@@ -219,11 +220,10 @@ rope::CacheParams make_cache_params(
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
     int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
-rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Tensor& k,
-                                  const Tensor& k_out, const Tensor& q_weight,
-                                  const Tensor& k_weight, const Tensor& positions,
-                                  const Tensor& cos_sin, double eps, bool interleaved,
-                                  double weight_offset, int64_t rotary_offset,
+rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,
+                                  const Tensor& q_weight, const Tensor& k_weight,
+                                  const Tensor& positions, const Tensor& cos_sin, double eps,
+                                  bool interleaved, double weight_offset, int64_t rotary_offset,
                                   const Sections& mrope_section, bool mrope_interleaved);
 
 // Checks the arguments and returns the kernel parameters for in -> out
@@ -231,15 +231,15 @@ rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Te
 // default "q" with k and "x" without); touches no data. per_token (the
 // serving ops): positions with one dim less than q.shape[:-1] ([T] for
 // [T, H, D]) are one position per token, read as [T, 1].
-rope::RopeParams make_params(const Tensor& q_in, const Tensor& q_out, const Tensor* k_in,
-                             const Tensor* k_out, const Tensor& positions, const Tensor& cos_sin,
-                             bool interleaved, bool inverse, int64_t rotary_offset,
-                             const Sections& mrope_section, bool mrope_interleaved,
-                             const char* q_name = nullptr, bool per_token = false);
+rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
+                             const Tensor& positions, const Tensor& cos_sin, bool interleaved,
+                             bool inverse, int64_t rotary_offset, const Sections& mrope_section,
+                             bool mrope_interleaved, const char* q_name = nullptr,
+                             bool per_token = false);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.
-void check_writable(const Tensor& q, const Tensor* k);
+void check_writable(const Arg& q, const Arg* k);
 
 // First token whose position is outside the cache, or -1.
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value);
@@ -263,7 +263,7 @@ rope::DType to_dtype(torch::headeronly::ScalarType t);
 
 // x (named `name` in messages) is a floating tensor [..., head_dim] with a
 // contiguous last dim.
-void check_input(const Tensor& x, const char* name);
+void check_input(const Arg& x, const char* name);
 
 // A new tensor for the result of x: x's layout (empty_like), unless that
 // leaves the last dim strided; then row-major.

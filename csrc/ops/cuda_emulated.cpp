@@ -7,6 +7,7 @@
 #include <torch/csrc/stable/library.h>
 
 #include "../rope/serving_cuda.cuh"
+#include "layout.h"
 
 namespace rope_ext {
 
@@ -24,9 +25,13 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   ROPE_CHECK(ValueError,
              !kp || (kop->sizes().equals(kp->sizes()) && kop->scalar_type() == kp->scalar_type()),
              "k_out must match k in shape and dtype");
-  const auto p = make_params(q, q_out, kp, kop, positions, cos_sin, interleaved, inverse,
-                             rotary_offset, mrope_section, mrope_interleaved);
-  check_writable(q_out, kop);
+  const Arg qa(q), qoa(q_out);
+  std::optional<Arg> ka, koa;
+  if (kp) ka.emplace(*kp), koa.emplace(*kop);
+  const auto p =
+      make_params(qa, qoa, ka ? &*ka : nullptr, koa ? &*koa : nullptr, positions, cos_sin,
+                  interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved);
+  check_writable(qoa, koa ? &*koa : nullptr);
   const auto l = rope::gpu::plan_launch(p, num_sms, force_scalar);
   if (rope::gpu::has_work(p, l)) {
     rope::gpu::dispatch_cuda(
@@ -80,10 +85,11 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
              "q_out must match q in shape and dtype");
   ROPE_CHECK(ValueError, k_out.sizes().equals(k.sizes()) && k_out.scalar_type() == k.scalar_type(),
              "k_out must match k in shape and dtype");
+  const Arg qa(q), qoa(q_out), ka(k), koa(k_out);
   const auto np =
-      make_norm_params(q, q_out, k, k_out, q_weight, k_weight, positions, cos_sin, eps, interleaved,
+      make_norm_params(qa, qoa, ka, koa, q_weight, k_weight, positions, cos_sin, eps, interleaved,
                        weight_offset, rotary_offset, mrope_section, mrope_interleaved);
-  check_writable(q_out, &k_out);
+  check_writable(qoa, &koa);
   const auto l = rope::gpu::plan_norm_launch(np, num_sms, force_scalar);
   if (l.n_items > 0) {
     rope::gpu::dispatch_cuda(

@@ -14,6 +14,7 @@ struct Layout {
   IntRef size, stride;  // views of the tensor's own (it outlives the Layout)
   int64_t element_size;
   int64_t data;  // address of the first element
+  Layout() : element_size(0), data(0) {}
   explicit Layout(const Tensor& t)
       : size(t.sizes()),
         stride(t.strides()),
@@ -26,6 +27,49 @@ struct Layout {
     return n;
   }
 };
+
+// A tensor argument as the checks read it: each property queried once (every
+// query is a call into libtorch), behind the Tensor queries the checks use. A
+// view made from another Arg (the q and k columns of a packed qkv) needs no
+// tensor and no call. Not copyable: a view's layout points into it.
+class Arg {
+ public:
+  explicit Arg(const Tensor& t);
+  // base's elements from element `offset` on, with these sizes and strides.
+  Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset);
+  Arg(const Arg&) = delete;
+  Arg& operator=(const Arg&) = delete;
+
+  bool defined() const { return defined_; }
+  int64_t dim() const { return layout_.dim(); }
+  int64_t size(int64_t d) const { return layout_.size[d]; }
+  int64_t stride(int64_t d) const { return layout_.stride[d]; }
+  IntRef sizes() const { return layout_.size; }
+  IntRef strides() const { return layout_.stride; }
+  void* data_ptr() const { return reinterpret_cast<void*>(layout_.data); }
+  torch::headeronly::ScalarType scalar_type() const { return dtype_; }
+  const Layout& layout() const { return layout_; }
+  // The tensor, or a view's base (its device, for messages).
+  const Tensor& tensor() const { return *tensor_; }
+  bool same_device(const Arg& o) const {
+    return device_[0] == o.device_[0] && device_[1] == o.device_[1];
+  }
+  bool same_device(const Tensor& t) const;
+
+ private:
+  static constexpr int kMaxViewDims = 4;
+  const Tensor* tensor_;
+  bool defined_;
+  torch::headeronly::ScalarType dtype_;
+  int32_t device_[2];  // the shim's device type and index
+  Layout layout_;
+  int64_t view_size_[kMaxViewDims], view_stride_[kMaxViewDims];
+};
+
+inline torch::headeronly::ScalarType dtype_of(const Arg& a) { return a.scalar_type(); }
+inline bool same_device(const Arg& a, const Arg& b) { return a.same_device(b); }
+inline bool same_device(const Tensor& t, const Arg& a) { return a.same_device(t); }
+inline std::string device_str(const Arg& a) { return device_str(a.tensor()); }
 
 // Whether two elements of t share memory. Strides that nest (each steps over
 // everything the smaller ones reach) cannot overlap; strides that interleave

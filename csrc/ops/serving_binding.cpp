@@ -26,7 +26,7 @@ rope::Fp8 fp8_of(ScalarType t) {
 }
 
 // A [T, H, dim] tensor with a contiguous last dim.
-void check_3d(const Tensor& x, const char* name, const char* shape) {
+void check_3d(const Arg& x, const char* name, const char* shape) {
   ROPE_CHECK(TypeError, x.defined(), name, " must be a tensor, got None");
   ROPE_CHECK(ValueError, x.dim() == 3, name, " must be ", shape, ", got shape ",
              shape_str(x.sizes()));
@@ -35,7 +35,7 @@ void check_3d(const Tensor& x, const char* name, const char* shape) {
 }
 
 // A one-element float32 scale on x's device (null when absent).
-const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Tensor& x) {
+const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Arg& x) {
   if (!s.has_value() || !s->defined()) return nullptr;
   ROPE_CHECK(TypeError, dtype_of(*s) == ScalarType::Float, name,
              " must be a float32 tensor of one element, got ", dtype_of(*s));
@@ -67,12 +67,16 @@ void check_tokens(const rope::RopeParams& p, int64_t T) {
 }  // namespace
 
 rope::CacheParams make_cache_params(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
-    const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& positions,
+    const Tensor& cos_sin, const Tensor& key_cache_t, const Tensor& value_cache_t,
     const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
     int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
+  const Arg q(q_t), k(k_t), v(v_t), key_cache(key_cache_t), value_cache(value_cache_t);
+  std::optional<Arg> q_out_arg;
+  if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
+  const Arg* qo = q_out_arg ? &*q_out_arg : nullptr;
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, "k", "[T, Hk, D]");
   check_3d(v, "v", "[T, Hk, Dv]");
@@ -87,7 +91,6 @@ rope::CacheParams make_cache_params(
   ROPE_CHECK(ValueError, same_device(v, q), "v must be on the device of q (", device_str(q),
              "), got ", device_str(v));
 
-  const Tensor* qo = q_out.has_value() && q_out->defined() ? &*q_out : nullptr;
   const rope::Fp8 q_fp8 = qo ? fp8_of(dtype_of(*qo)) : rope::Fp8::kNone;
   if (qo) {
     ROPE_CHECK(TypeError, dtype_of(*qo) == dtype_of(q) || q_fp8 != rope::Fp8::kNone,
@@ -147,7 +150,7 @@ rope::CacheParams make_cache_params(
   ROPE_CHECK(ValueError, value_cache.sizes().equals(want_v), "value_cache must have shape ",
              shape_str(want_v), " for v of shape ", shape_str(v.sizes()), " (layout='", layout,
              "'), got ", shape_str(value_cache.sizes()));
-  auto paged = [&](const Tensor& c, const float* scale) {
+  auto paged = [&](const Arg& c, const float* scale) {
     rope::PagedCache pc{};
     pc.data = c.data_ptr();
     pc.block_stride = c.stride(0);
@@ -184,9 +187,9 @@ rope::CacheParams make_cache_params(
   cp.n_kv_heads = Hk;
 
   // What is written must not overlap itself or anything else the call reads or writes.
-  // (Each layout read once: every query of a tensor is a call into libtorch.)
-  const Layout lq(q), lk(k), lv(v), lkc(key_cache), lvc(value_cache);
-  const Layout lqo = qo ? Layout(*qo) : lq;
+  const Layout &lq = q.layout(), &lk = k.layout(), &lv = v.layout();
+  const Layout &lkc = key_cache.layout(), &lvc = value_cache.layout();
+  const Layout& lqo = qo ? qo->layout() : lq;
   const char* q_target = qo ? "q_out" : "q";
   check_no_self_overlap(lqo, q_target);
   check_no_self_overlap(lk, "k");
@@ -237,11 +240,10 @@ void rotary_qk_cache_(const Tensor& q, const Tensor& k, const Tensor& v, const T
   backend.launch_cache(cp, q);
 }
 
-rope::NormParams make_norm_params(const Tensor& q, const Tensor& q_out, const Tensor& k,
-                                  const Tensor& k_out, const Tensor& q_weight,
-                                  const Tensor& k_weight, const Tensor& positions,
-                                  const Tensor& cos_sin, double eps, bool interleaved,
-                                  double weight_offset, int64_t rotary_offset,
+rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,
+                                  const Tensor& q_weight, const Tensor& k_weight,
+                                  const Tensor& positions, const Tensor& cos_sin, double eps,
+                                  bool interleaved, double weight_offset, int64_t rotary_offset,
                                   const Sections& mrope_section, bool mrope_interleaved) {
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, "k", "[T, Hk, D]");
@@ -285,6 +287,17 @@ void run_norm(const rope::NormParams& np, const Tensor& q, const Backend& backen
   backend.launch_norm(np, q);
 }
 
+void norm_in_place(const Arg& q, const Arg& k, const Tensor& q_weight, const Tensor& k_weight,
+                   const Tensor& positions, const Tensor& cos_sin, double eps, bool interleaved,
+                   double weight_offset, int64_t rotary_offset, const Sections& mrope_section,
+                   bool mrope_interleaved, const Backend& backend) {
+  const auto np =
+      make_norm_params(q, q, k, k, q_weight, k_weight, positions, cos_sin, eps, interleaved,
+                       weight_offset, rotary_offset, mrope_section, mrope_interleaved);
+  check_writable(q, &k);
+  run_norm(np, q.tensor(), backend);
+}
+
 }  // namespace
 
 void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
@@ -292,34 +305,18 @@ void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
                      double eps, bool interleaved, double weight_offset, int64_t rotary_offset,
                      const Sections& mrope_section, bool mrope_interleaved,
                      const Backend& backend) {
-  const auto np =
-      make_norm_params(q, q, k, k, q_weight, k_weight, positions, cos_sin, eps, interleaved,
-                       weight_offset, rotary_offset, mrope_section, mrope_interleaved);
-  check_writable(q, &k);
-  run_norm(np, q, backend);
+  norm_in_place(Arg(q), Arg(k), q_weight, k_weight, positions, cos_sin, eps, interleaved,
+                weight_offset, rotary_offset, mrope_section, mrope_interleaved, backend);
 }
 
-namespace {
-
-// The view of t with these sizes and strides whose first element is t's
-// element `offset` (in storage order), made by the C shim itself: a view op
-// through the dispatcher would cost microseconds per call.
-Tensor raw_view(const Tensor& t, IntRef sizes, IntRef strides, int64_t offset) {
-  AtenTensorHandle ret = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(
-      t.get(), int64_t(sizes.size()), sizes.data(), strides.data(), offset, &ret));
-  return Tensor(ret);
-}
-
-}  // namespace
-
-void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+void qk_norm_rotary_packed_(const Tensor& qkv_t, int64_t num_heads_q, int64_t num_heads_k,
                             int64_t num_heads_v, const Tensor& q_weight, const Tensor& k_weight,
                             const Tensor& positions, const Tensor& cos_sin, double eps,
                             bool interleaved, double weight_offset, int64_t rotary_offset,
                             const Sections& mrope_section, bool mrope_interleaved,
                             const Backend& backend) {
-  ROPE_CHECK(TypeError, qkv.defined(), "qkv must be a tensor, got None");
+  ROPE_CHECK(TypeError, qkv_t.defined(), "qkv must be a tensor, got None");
+  const Arg qkv(qkv_t);
   ROPE_CHECK(ValueError, qkv.dim() == 2, "qkv must be [T, (Hq+Hk+Hv)*D], got shape ",
              shape_str(qkv.sizes()));
   ROPE_CHECK(ValueError, num_heads_q >= 1 && num_heads_k >= 1 && num_heads_v >= 0,
@@ -334,10 +331,10 @@ void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_
   const int64_t T = qkv.size(0), D = width / heads;
   const int64_t q_shape[3] = {T, num_heads_q, D}, k_shape[3] = {T, num_heads_k, D};
   const int64_t strides[3] = {qkv.stride(0), D, 1};
-  const Tensor q = raw_view(qkv, q_shape, strides, 0);
-  const Tensor k = raw_view(qkv, k_shape, strides, num_heads_q * D);
-  qk_norm_rotary_(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved, weight_offset,
-                  rotary_offset, mrope_section, mrope_interleaved, backend);
+  // q and k as views of qkv's layout (no tensors made for them: a view costs microseconds).
+  const Arg q(qkv, q_shape, strides, 0), k(qkv, k_shape, strides, num_heads_q * D);
+  norm_in_place(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved, weight_offset,
+                rotary_offset, mrope_section, mrope_interleaved, backend);
 }
 
 std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, const Tensor& q_weight,
@@ -346,14 +343,15 @@ std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, cons
                                           double weight_offset, int64_t rotary_offset,
                                           const Sections& mrope_section, bool mrope_interleaved,
                                           const Backend& backend) {
-  check_3d(q, "q", "[T, Hq, D]");
-  check_3d(k, "k", "[T, Hk, D]");
-  check_input(q, "q");
-  check_input(k, "k");
+  const Arg qa(q), ka(k);
+  check_3d(qa, "q", "[T, Hq, D]");
+  check_3d(ka, "k", "[T, Hk, D]");
+  check_input(qa, "q");
+  check_input(ka, "k");
   Tensor q_out = empty_output(q), k_out = empty_output(k);
   const auto np =
-      make_norm_params(q, q_out, k, k_out, q_weight, k_weight, positions, cos_sin, eps, interleaved,
-                       weight_offset, rotary_offset, mrope_section, mrope_interleaved);
+      make_norm_params(qa, Arg(q_out), ka, Arg(k_out), q_weight, k_weight, positions, cos_sin, eps,
+                       interleaved, weight_offset, rotary_offset, mrope_section, mrope_interleaved);
   run_norm(np, q, backend);
   return {q_out, k_out};
 }
