@@ -2,8 +2,8 @@
 // (torch/csrc/stable, header-only torch/headeronly): argument checks with
 // user-facing messages, kernel parameters from tensors, and the op bodies:
 // binding.cpp (the rotary ops), serving_binding.cpp (the serving ops),
-// layout.h (overlap checks of what is written). A backend only supplies how to
-// run the kernel.
+// layout.h (each tensor argument read once, overlap checks of what is
+// written). A backend only supplies how to run the kernel.
 //
 // Errors are standard exceptions, which reach Python as: std::invalid_argument
 // -> ValueError, std::out_of_range -> IndexError. A wrong type or dtype throws

@@ -1,6 +1,7 @@
-// A tensor's memory layout, and whether written elements overlap: the checks
-// that make an in-place write safe (every element written once, nothing the
-// call reads overwritten under it).
+// A tensor's memory layout and the argument checks' view of a tensor (Arg),
+// and whether written elements overlap: the checks that make an in-place
+// write safe (every element written once, nothing the call reads overwritten
+// under it).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@ namespace rope_ext {
 
 // A tensor's layout, read once (every query is a call into libtorch).
 struct Layout {
-  IntRef size, stride;  // views of the tensor's own (it outlives the Layout)
+  IntRef size, stride;  // views of the tensor's own, or of an Arg's (either outlives the Layout)
   int64_t element_size;
   int64_t data;  // address of the first element
   Layout() : element_size(0), data(0) {}
@@ -35,7 +36,8 @@ struct Layout {
 class Arg {
  public:
   explicit Arg(const Tensor& t);
-  // base's elements from element `offset` on, with these sizes and strides.
+  // base's elements from element `offset` on, with these sizes and strides
+  // (at most kMaxViewDims dims).
   Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset);
   Arg(const Arg&) = delete;
   Arg& operator=(const Arg&) = delete;
