@@ -39,16 +39,6 @@ ScalarType dtype_of(const Tensor& t) {
   return ScalarType(v - 1);
 }
 
-bool same_device(const Tensor& a, const Tensor& b) {
-  int32_t type[2], index[2];
-  for (int i = 0; i < 2; ++i) {
-    const Tensor& t = i ? b : a;
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type[i]));
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &index[i]));
-  }
-  return type[0] == type[1] && index[0] == index[1];
-}
-
 bool is_supported_float(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half ||
          t == ScalarType::BFloat16;

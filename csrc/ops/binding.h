@@ -11,6 +11,7 @@
 // the Python API re-raises those as TypeError (rope_ext/ops.py).
 #pragma once
 
+#include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
@@ -211,6 +212,22 @@ void qk_norm_rotary_packed_plain_on(Tensor qkv, int64_t num_heads_q, int64_t num
                          cos_sin, kDefaultNormEps, false, 0.0, 0, std::nullopt, false, B);
 }
 
+// Registers every op's kernel of backend B (ops_cpu.cpp, ops_cuda.cu).
+template <const Backend& B>
+void impl_ops(torch::stable::detail::StableLibrary& m) {
+  m.impl("rotary", TORCH_BOX(&rotary_on<B>));
+  m.impl("rotary_qk", TORCH_BOX(&rotary_qk_on<B>));
+  m.impl("rotary_qk_", TORCH_BOX(&rotary_qk_inplace_on<B>));
+  m.impl("rotary_qk_cache_", TORCH_BOX(&rotary_qk_cache_on<B>));
+  m.impl("qk_norm_rotary_", TORCH_BOX(&qk_norm_rotary_inplace_on<B>));
+  m.impl("qk_norm_rotary", TORCH_BOX(&qk_norm_rotary_on<B>));
+  m.impl("qk_norm_rotary_packed_", TORCH_BOX(&qk_norm_rotary_packed_on<B>));
+  m.impl("rotary_qk_.plain", TORCH_BOX(&rotary_qk_plain_on<B>));
+  m.impl("rotary_qk_cache_.plain", TORCH_BOX(&rotary_qk_cache_plain_on<B>));
+  m.impl("rotary_qk_cache_.scaled", TORCH_BOX(&rotary_qk_cache_scaled_on<B>));
+  m.impl("qk_norm_rotary_packed_.plain", TORCH_BOX(&qk_norm_rotary_packed_plain_on<B>));
+}
+
 // Checks the arguments of the serving ops and returns their kernel parameters
 // (no data touched). q_out / k_out of make_norm_params may be q / k.
 rope::CacheParams make_cache_params(
@@ -250,12 +267,10 @@ std::string shape_str(IntRef s);
 // "cpu", "cuda:0"
 std::string device_str(const Tensor& t);
 
-// t.scalar_type() and whether a and b share a device, from the shim's codes:
-// Tensor::scalar_type() and device() convert those with one call into
-// libtorch per candidate value (about 45 ns for a dtype on a 2 GHz Zen 1,
-// more than the rest of a check).
+// t.scalar_type() from the shim's dtype code: Tensor::scalar_type() converts
+// it with one call into libtorch per candidate dtype (about 45 ns on a 2 GHz
+// Zen 1, more than the rest of a check). (Devices: Arg, layout.h.)
 torch::headeronly::ScalarType dtype_of(const Tensor& t);
-bool same_device(const Tensor& a, const Tensor& b);
 
 // float32, float64, float16 or bfloat16, and its kernel dtype.
 bool is_supported_float(torch::headeronly::ScalarType t);

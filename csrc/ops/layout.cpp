@@ -6,20 +6,26 @@
 #include <vector>
 
 namespace rope_ext {
+namespace {
 
-Arg::Arg(const Tensor& t) : tensor_(&t), defined_(t.defined()), dtype_(), device_{0, 0} {
+std::array<int32_t, 2> device_codes(const Tensor& t) {
+  std::array<int32_t, 2> c{};
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &c[0]));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &c[1]));
+  return c;
+}
+
+}  // namespace
+
+Arg::Arg(const Tensor& t) : tensor_(&t), defined_(t.defined()), dtype_(), device_{} {
   if (!defined_) return;
   dtype_ = dtype_of(t);
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &device_[0]));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &device_[1]));
+  device_ = device_codes(t);
   layout_ = Layout(t);
 }
 
 Arg::Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset)
-    : tensor_(base.tensor_),
-      defined_(true),
-      dtype_(base.dtype_),
-      device_{base.device_[0], base.device_[1]} {
+    : tensor_(base.tensor_), defined_(true), dtype_(base.dtype_), device_(base.device_) {
   const size_t n = std::min(sizes.size(), size_t(kMaxViewDims));
   std::copy_n(sizes.begin(), n, view_size_);
   std::copy_n(strides.begin(), n, view_stride_);
@@ -29,12 +35,7 @@ Arg::Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset)
   layout_.data = base.layout_.data + offset * base.layout_.element_size;
 }
 
-bool Arg::same_device(const Tensor& t) const {
-  int32_t type = 0, index = 0;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &index));
-  return device_[0] == type && device_[1] == index;
-}
+bool Arg::same_device(const Tensor& t) const { return device_ == device_codes(t); }
 
 namespace {
 

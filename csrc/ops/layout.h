@@ -4,6 +4,7 @@
 // under it).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "binding.h"
@@ -53,9 +54,7 @@ class Arg {
   const Layout& layout() const { return layout_; }
   // The tensor, or a view's base (its device, for messages).
   const Tensor& tensor() const { return *tensor_; }
-  bool same_device(const Arg& o) const {
-    return device_[0] == o.device_[0] && device_[1] == o.device_[1];
-  }
+  bool same_device(const Arg& o) const { return device_ == o.device_; }
   bool same_device(const Tensor& t) const;
 
  private:
@@ -63,7 +62,7 @@ class Arg {
   const Tensor* tensor_;
   bool defined_;
   torch::headeronly::ScalarType dtype_;
-  int32_t device_[2];  // the shim's device type and index
+  std::array<int32_t, 2> device_;  // the shim's device type and index (no Device built)
   Layout layout_;
   int64_t view_size_[kMaxViewDims], view_stride_[kMaxViewDims];
 };

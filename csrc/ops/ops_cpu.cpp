@@ -82,21 +82,7 @@ bool set_cpu_isa(std::string name) { return rope::cpu::set_isa(name.c_str()); }
 }  // namespace
 }  // namespace rope_ext
 
-STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
-  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_on<rope_ext::kCpu>));
-  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_on<rope_ext::kCpu>));
-  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_on<rope_ext::kCpu>));
-  m.impl("rotary_qk_cache_", TORCH_BOX(&rope_ext::rotary_qk_cache_on<rope_ext::kCpu>));
-  m.impl("qk_norm_rotary_", TORCH_BOX(&rope_ext::qk_norm_rotary_inplace_on<rope_ext::kCpu>));
-  m.impl("qk_norm_rotary", TORCH_BOX(&rope_ext::qk_norm_rotary_on<rope_ext::kCpu>));
-  m.impl("qk_norm_rotary_packed_", TORCH_BOX(&rope_ext::qk_norm_rotary_packed_on<rope_ext::kCpu>));
-  m.impl("rotary_qk_.plain", TORCH_BOX(&rope_ext::rotary_qk_plain_on<rope_ext::kCpu>));
-  m.impl("rotary_qk_cache_.plain", TORCH_BOX(&rope_ext::rotary_qk_cache_plain_on<rope_ext::kCpu>));
-  m.impl("rotary_qk_cache_.scaled",
-         TORCH_BOX(&rope_ext::rotary_qk_cache_scaled_on<rope_ext::kCpu>));
-  m.impl("qk_norm_rotary_packed_.plain",
-         TORCH_BOX(&rope_ext::qk_norm_rotary_packed_plain_on<rope_ext::kCpu>));
-}
+STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) { rope_ext::impl_ops<rope_ext::kCpu>(m); }
 
 // An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CompositeImplicitAutograd, m) {

@@ -77,18 +77,4 @@ PyMODINIT_FUNC PyInit__C_cuda(void) {
 }
 #endif
 
-STABLE_TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
-  m.impl("rotary", TORCH_BOX(&rope_ext::rotary_on<rope_ext::kCuda>));
-  m.impl("rotary_qk", TORCH_BOX(&rope_ext::rotary_qk_on<rope_ext::kCuda>));
-  m.impl("rotary_qk_", TORCH_BOX(&rope_ext::rotary_qk_inplace_on<rope_ext::kCuda>));
-  m.impl("rotary_qk_cache_", TORCH_BOX(&rope_ext::rotary_qk_cache_on<rope_ext::kCuda>));
-  m.impl("qk_norm_rotary_", TORCH_BOX(&rope_ext::qk_norm_rotary_inplace_on<rope_ext::kCuda>));
-  m.impl("qk_norm_rotary", TORCH_BOX(&rope_ext::qk_norm_rotary_on<rope_ext::kCuda>));
-  m.impl("qk_norm_rotary_packed_", TORCH_BOX(&rope_ext::qk_norm_rotary_packed_on<rope_ext::kCuda>));
-  m.impl("rotary_qk_.plain", TORCH_BOX(&rope_ext::rotary_qk_plain_on<rope_ext::kCuda>));
-  m.impl("rotary_qk_cache_.plain", TORCH_BOX(&rope_ext::rotary_qk_cache_plain_on<rope_ext::kCuda>));
-  m.impl("rotary_qk_cache_.scaled",
-         TORCH_BOX(&rope_ext::rotary_qk_cache_scaled_on<rope_ext::kCuda>));
-  m.impl("qk_norm_rotary_packed_.plain",
-         TORCH_BOX(&rope_ext::qk_norm_rotary_packed_plain_on<rope_ext::kCuda>));
-}
+STABLE_TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) { rope_ext::impl_ops<rope_ext::kCuda>(m); }
