@@ -446,6 +446,27 @@ def test_fp8_conversion_bit_exact_against_torch(scale, fp8, backend):
     assert same_bits(got, (c.v / c.v_scale).clamp(-m, m).to(fp8))
 
 
+@pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_fp8_tables_every_16_bit_value(dtype, fp8):
+    """A CPU call that quantizes 4 * 65536 values or more of one 16-bit tensor looks them up in a table of
+    every bit pattern (serving_cpu.cpp). Here q (to an fp8 q_out), k and v have that many values each, v
+    holds every pattern of its dtype four times (infinities, NaNs, subnormals, both zeros), and every
+    written bit must be the reference's, as for the row kernel: a table built wrong fails here."""
+    gen = torch.Generator().manual_seed(11)
+    T, H, D = 256, 8, 128  # T * H * D = 4 * 65536
+    c = build(dtype, T=T, Hq=H, Hk=H, D=D, cache_dtype=fp8, q_out=fp8, slots="all", seed=3)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    c.v.copy_(every.repeat(4)[torch.randperm(4 << 16, generator=gen)].view(c.v.shape))
+    c.k_scale, c.v_scale, c.q_scale = torch.tensor([0.02]), torch.tensor([0.015]), torch.tensor([3.7])
+    s = c.snapshot()
+    run(c, "cpu")
+    check(c, s, "cpu")
+    m = reference.FP8_MAX[fp8]
+    rows = c.value_cache.reshape(-1, H, D)[c.slot_mapping]
+    assert same_bits(rows, (c.v.float() / c.v_scale).clamp(-m, m).to(fp8))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rejected calls: the right exception naming the argument, and nothing written.
 
