@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -26,7 +27,9 @@ Arg::Arg(const Tensor& t) : tensor_(&t), defined_(t.defined()), dtype_(), device
 
 Arg::Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset)
     : tensor_(base.tensor_), defined_(true), dtype_(base.dtype_), device_(base.device_) {
-  const size_t n = std::min(sizes.size(), size_t(kMaxViewDims));
+  if (sizes.size() > size_t(kMaxViewDims) || strides.size() != sizes.size())
+    throw std::logic_error("Arg view: at most 4 dims, as many strides as sizes");
+  const size_t n = sizes.size();
   std::copy_n(sizes.begin(), n, view_size_);
   std::copy_n(strides.begin(), n, view_stride_);
   layout_.size = IntRef(view_size_, n);

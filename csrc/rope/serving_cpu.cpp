@@ -65,6 +65,9 @@ int64_t row_offset(const RopeParams& p, int t, int64_t token, int64_t head) {
 // builds its own.
 constexpr int64_t kTableMinValues = int64_t(4) << 16;
 
+// A scale read on the host (the CPU op's tensors): the value, 1 when absent.
+float scale_value(const float* s) { return s ? *s : 1.0f; }
+
 template <class T>
 constexpr bool kTableType = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
 
@@ -100,18 +103,16 @@ struct Fp8Tables {
       const int64_t n = p.n_tokens;
       const bool fp8 = cp.cache_fp8 != Fp8::kNone;
       if (cp.q_fp8 != Fp8::kNone && n * p.t[0].n_heads * p.head_dim >= kTableMinValues)
-        f.q = build<T>(0, cp.q_scale ? *cp.q_scale : 1.0f, cp.q_fp8);
+        f.q = build<T>(0, scale_value(cp.q_scale), cp.q_fp8);
       if (fp8 && n * cp.n_kv_heads * p.head_dim >= kTableMinValues)
-        f.k = build<T>(1, scale_of(cp.key_cache), cp.cache_fp8);
+        f.k = build<T>(1, scale_value(cp.key_cache.scale), cp.cache_fp8);
       if (fp8 && n * cp.n_kv_heads * cp.v_dim >= kTableMinValues)
-        f.v = build<T>(2, scale_of(cp.value_cache), cp.cache_fp8);
+        f.v = build<T>(2, scale_value(cp.value_cache.scale), cp.cache_fp8);
     }
     return f;
   }
 
  private:
-  static float scale_of(const PagedCache& c) { return c.scale ? *c.scale : 1.0f; }
-
   // Table `which` of this thread: table[b] = the fp8 bits of the T with bits b.
   template <class T>
   static const uint8_t* build(int which, float scale, Fp8 t) {
@@ -161,7 +162,7 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
     if (rq.n_tok_dims == 1) t.out_tok_stride[0] = hq * D;
     if (t.n_head_dims == 1) t.out_head_stride[0] = D;
     rotate_tokens(rq, 0, n);
-    const float scale = cp.q_scale ? *cp.q_scale : 1.0f;
+    const float scale = scale_value(cp.q_scale);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < hq; ++h)
         quantize_row(
@@ -169,9 +170,8 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
             static_cast<uint8_t*>(cp.q8) + (begin + i) * cp.q8_tok_stride + h * cp.q8_head_stride,
             D, scale, cp.q_fp8, tables.q);
   }
-  const bool fp8 = cp.cache_fp8 != Fp8::kNone;
-  const float k_scale = fp8 && cp.key_cache.scale ? *cp.key_cache.scale : 1.0f;
-  const float v_scale = fp8 && cp.value_cache.scale ? *cp.value_cache.scale : 1.0f;
+  const float k_scale = scale_value(cp.key_cache.scale);
+  const float v_scale = scale_value(cp.value_cache.scale);
   for (int64_t token = begin; token < end; ++token) {
     const int64_t slot = token_slot(cp, token);
     if (slot < 0) continue;
