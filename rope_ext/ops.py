@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.rope_ext.*: the schemas and the CPU kernels)
+from ._inplace import check_inplace_allowed, refuse_dual_tensors
+from .positions import positions_shape
 
 
 def _load_cuda_kernels() -> str | None:
@@ -96,24 +98,15 @@ def set_position_checks(enabled: bool) -> None:
     _check_positions_on_device = bool(enabled)
 
 
-# Messages of the C++ checks that reject a type or dtype (csrc/ops/binding.h, TypeError). The stable ABI
-# carries standard exceptions only, so the bare ops raise them as ValueError; the API raises TypeError.
-_TYPE_ERRORS = (
-    " must be a tensor, got None",
-    " must be a floating tensor",
-    " must have the dtype of ",
-    " must be float32 or the dtype of ",
-    " must be an int32 or int64 tensor",
-    " must be an int64 tensor",
-    " or be float8_e4m3fn / float8_e5m2",
-    " must be a float32 tensor of one element",
-    " must have the dtype of key_cache",
-)
+# The tag that starts the message of a C++ check rejecting a type or dtype (csrc/ops/binding.h, TypeError).
+# The stable ABI carries standard exceptions only, so the bare ops raise them as ValueError with the tag;
+# the API raises TypeError without it.
+TYPE_ERROR_TAG = "[type] "
 
 
 def _retyped(e: ValueError) -> Exception:
     msg = str(e)
-    return TypeError(msg) if any(p in msg for p in _TYPE_ERRORS) else e
+    return TypeError(msg[len(TYPE_ERROR_TAG) :]) if msg.startswith(TYPE_ERROR_TAG) else e
 
 
 def _typed_errors(fn):
@@ -259,7 +252,10 @@ def apply_rotary_qk_(
     q and k must not overlap in memory, nor have elements that alias each other (expanded views).
     Differentiable like any in-place op: when q or k requires grad, autograd records the rotation (its
     backward is the inverse rotation of the incoming gradient), also for views of a packed QKV tensor and
-    under ``torch.compile``; a leaf that requires grad (or a view of one) raises PyTorch's usual error.
+    under ``torch.compile``. What autograd refuses for an in-place op (a leaf that requires grad or a view
+    of one; an output of unbind, split or chunk; a view made under no_grad or inference_mode) raises
+    PyTorch's usual error before anything is written; a dual tensor, ``NotImplementedError`` (no
+    forward-mode AD).
     """
     if (
         type(q) is type(positions) is type(cos_sin) is Tensor
@@ -317,11 +313,12 @@ def _rotary_qk_inplace_checked(
         return
     targets = [t for t in (q, k) if t is not None]
     for t in targets:
-        _check_inplace_allowed(t)
+        check_inplace_allowed(t)
     if torch.compiler.is_compiling():
         # Traced: the differentiable functional op and copy_ (AOTAutograd reinplaces where it can).
         _copy_rotated(q, k, *rot)
         return
+    refuse_dual_tensors(targets, "apply_rotary_qk_")
     # One launch rotates both (every check before the first write), on aliases autograd does not see;
     # then each tensor gets the rotation's node in its history, as an in-place op would.
     with torch.no_grad():
@@ -336,7 +333,12 @@ def _rotary_qk_inplace_checked(
 
 
 def _fake_checks(
-    x: Tensor, positions: Tensor, cos_sin: Tensor, name: str = "x", rotary_offset: int = 0
+    x: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    name: str = "x",
+    rotary_offset: int = 0,
+    token_major: bool = False,
 ) -> None:
     """Shape and device checks of the fake kernels."""
     for arg, t in ((name, x), ("positions", positions), ("cos_sin", cos_sin)):
@@ -349,7 +351,7 @@ def _fake_checks(
             raise ValueError(f"{arg} must be on the device of {name} ({x.device}), got {t.device}")
     torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
     torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
-    torch._check(positions.dim() < x.dim(), lambda: "positions must broadcast to x.shape[:-1]")
+    positions_shape(positions.shape, x.shape[:-1], name, token_major)
     if not 0 <= rotary_offset <= x.shape[-1] - cos_sin.shape[-1]:
         raise ValueError(
             f"rotary_offset must be in [0, head_dim - rotary_dim] = [0, {x.shape[-1] - cos_sin.shape[-1]}], "
@@ -511,19 +513,6 @@ def _copy_rotated(q: Tensor, k: Tensor | None, positions: Tensor, cos_sin: Tenso
         q_rot, k_rot = _ops.rotary_qk.default(q, k, positions, cos_sin, interleaved, False, *more)
         q.copy_(q_rot)
         k.copy_(k_rot)
-
-
-def _check_inplace_allowed(t: Tensor) -> None:
-    """PyTorch's own errors for an in-place op on a leaf that requires grad (or a view of one)."""
-    if not t.requires_grad:
-        return
-    if t.is_leaf:
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-    base = t._base
-    if base is not None and base.is_leaf and base.requires_grad:
-        raise RuntimeError(
-            "a view of a leaf Variable that requires grad is being used in an in-place operation."
-        )
 
 
 class _RotatedInPlace(torch.autograd.Function):

@@ -26,6 +26,8 @@ import functools
 import torch
 from torch import Tensor
 
+from .positions import positions_shape
+
 __all__ = [
     "inv_freq",
     "cos_sin_table",
@@ -73,7 +75,10 @@ def _cos_sin(
     x: Tensor, positions: Tensor, cos_sin: Tensor, inverse: bool, mrope_section=None, mrope_interleaved=False
 ) -> tuple[Tensor, Tensor]:
     """Per-row cos and sin, float64 ``[*x.shape[:-1], rotary_dim / 2]``."""
-    rows = cos_sin.to(torch.float64)[positions.long()]
+    lead = positions.shape[:1] if mrope_section is not None else ()
+    # token_major: the reading of every shape an op takes ([T] for [T, H, D] where the op is token-major).
+    shape = positions_shape(positions.shape[len(lead) :], x.shape[:-1], token_major=True)
+    rows = cos_sin.to(torch.float64)[positions.long().reshape((*lead, *shape))]
     h = cos_sin.shape[-1] // 2
     c, s = rows[..., :h], rows[..., h:]
     if mrope_section is not None:  # rows [3, ..., rotary_dim]: pair j from its section's row

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import ops as _o
+from ._inplace import check_inplace_allowed
 
 __all__ = ["apply_qk_norm_rotary", "apply_qk_norm_rotary_", "apply_rotary_qk_and_cache_"]
 
@@ -31,14 +32,23 @@ _DEFAULT_EPS = 1e-6  # the schemas' default eps (csrc/ops/registration.cpp)
 
 
 def _token_positions(positions: Tensor, mrope_section) -> Tensor:
-    """``positions``, checked to be ``[T]`` (``[3, T]`` with MRoPE): one position per token, all heads (the
-    ops read it as ``[T, 1]``)."""
+    """``positions``, a tensor: the ops check that it holds one position per token (``[T]`` or ``[T, 1]``;
+    ``[3, T]`` or ``[3, T, 1]`` with MRoPE), the positions rule of every op (``ops.positions_shape``)."""
     _o._require_tensor("positions", positions)
-    want = 2 if mrope_section is not None else 1
-    if positions.dim() != want:
-        shape = "[3, T]" if want == 2 else "[T]"
-        raise ValueError(f"positions must be {shape}, got shape {list(positions.shape)}")
     return positions
+
+
+def _fake_tokens(q: Tensor, positions: Tensor) -> None:
+    """The serving kernels' check that positions (of section 0) hold one position per token of q."""
+    shape = _o.positions_shape(positions.shape, q.shape[:-1], "q", token_major=True)
+    T = q.shape[0]
+    per_token = len(shape) == 2 and shape[-1] == 1 and (shape[0] == T or T <= 1)
+    expanded = len(shape) == 2 and shape[0] != 1 and positions.stride(0) == 0
+    if not per_token or expanded:
+        raise ValueError(
+            f"positions must hold one position per token of q ({T} tokens) with a nonzero stride: [T] "
+            "(or [3, T] with mrope_section)"
+        )
 
 
 def _no_grad_wanted(*tensors: Tensor | None) -> None:
@@ -124,16 +134,18 @@ def apply_rotary_qk_and_cache_(
         and type(layout) is str
         and positions.dim() == 1
         and mrope_section is None
+        and not mrope_interleaved
         and type(rotary_offset) is int
         and not (q.requires_grad or k.requires_grad or v.requires_grad)
+        and (q_out is None or (type(q_out) is Tensor and not q_out.requires_grad))
         and not _o._check_positions_on_device
         and not _is_compiling()
     ):
         # The common eager call (a decode step): straight to the op, which checks everything else; with no
         # option set, the .plain overload (.scaled with both scales). Trailing arguments left at their
-        # defaults are not passed.
+        # defaults are not passed; every other argument is, so the op sees what the general path passes.
         try:
-            if q_out is None and not interleaved and layout == "NHD" and not rotary_offset:
+            if q_out is None and q_scale is None and layout == "NHD" and not (interleaved or rotary_offset):
                 if k_scale is None and v_scale is None:
                     _cache_plain(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping)
                 elif type(k_scale) is type(v_scale) is Tensor:
@@ -149,9 +161,17 @@ def apply_rotary_qk_and_cache_(
                     q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                     q_out, q_scale, interleaved, layout, rotary_offset,
                 )  # fmt: skip
-        except ValueError as e:
-            raise _o._retyped(e) from None
-        return
+        except Exception as e:
+            error = e
+        else:
+            return
+        # Rejected. The general path's checks before the op (they write nothing) raise first where they
+        # would, so both paths reject alike (a non-tensor: their TypeError, not the op's RuntimeError).
+        _cache_args(
+            q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, layout, k_scale, v_scale,
+            q_out, q_scale, rotary_offset, mrope_section,
+        )  # fmt: skip
+        raise (_o._retyped(error) if isinstance(error, ValueError) else error) from None
     _cache_checked(
         q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, interleaved, layout, k_scale,
         v_scale, q_out, q_scale, rotary_offset, mrope_section, mrope_interleaved,
@@ -159,11 +179,12 @@ def apply_rotary_qk_and_cache_(
 
 
 @_o._typed_errors
-def _cache_checked(
-    q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, interleaved, layout, k_scale, v_scale,
-    q_out, q_scale, rotary_offset, mrope_section, mrope_interleaved,
-) -> None:  # fmt: skip
-    """``apply_rotary_qk_and_cache_`` past the eager fast path: every check, and ``torch.compile``."""
+def _cache_args(
+    q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, layout, k_scale, v_scale, q_out,
+    q_scale, rotary_offset, mrope_section,
+):  # fmt: skip
+    """The checks of ``apply_rotary_qk_and_cache_``'s general path before the op (they write nothing);
+    returns positions and ``mrope_section`` as the op takes them."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cos_sin", cos_sin)):
         _o._require_tensor(name, t)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
@@ -178,6 +199,19 @@ def _cache_checked(
     _no_grad_wanted(q, k, v, q_out)
     _o._pre_check(positions, cos_sin)
     _pre_check_slots(slot_mapping, key_cache, layout)
+    return pos, mrope_section
+
+
+@_o._typed_errors
+def _cache_checked(
+    q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, interleaved, layout, k_scale, v_scale,
+    q_out, q_scale, rotary_offset, mrope_section, mrope_interleaved,
+) -> None:  # fmt: skip
+    """``apply_rotary_qk_and_cache_`` past the eager fast path: every check, and ``torch.compile``."""
+    pos, mrope_section = _cache_args(
+        q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, layout, k_scale, v_scale, q_out,
+        q_scale, rotary_offset, mrope_section,
+    )  # fmt: skip
     rest = (interleaved, layout, rotary_offset, mrope_section, mrope_interleaved)
     args = (v, pos, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     if torch.compiler.is_compiling() and (_is_view(q) or _is_view(k) or _is_view(q_out)):
@@ -249,15 +283,17 @@ def apply_qk_norm_rotary_(
         and type(num_heads_q) is type(num_heads_k) is type(num_heads_v) is int
         and type(eps) is float
         and mrope_section is None
+        and not mrope_interleaved
         and type(rotary_offset) is int
         and not (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad)
         and not _o._check_positions_on_device
         and not _is_compiling()
     ):
         # The common eager call (a decode step): one op on qkv, which checks everything else (trailing
-        # defaults, eps included, not passed, as in apply_rotary_qk_and_cache_).
+        # defaults, eps included, not passed, as in apply_rotary_qk_and_cache_). A weight_offset that is
+        # not 0 (None included) is passed as the general path passes it, through float().
         try:
-            if interleaved or weight_offset or rotary_offset:
+            if interleaved or weight_offset != 0 or rotary_offset:
                 _packed_norm_op(
                     qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps,
                     interleaved, float(weight_offset), rotary_offset,
@@ -270,45 +306,30 @@ def apply_qk_norm_rotary_(
                 _packed_norm_op(
                     qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps
                 )
-        except ValueError as e:
-            raise _o._retyped(e) from None
-        return
+        except Exception as e:
+            error = e
+        else:
+            return
+        # Rejected: the general path's checks before the op raise first where they would (as in
+        # apply_rotary_qk_and_cache_).
+        _norm_args(
+            qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps,
+            weight_offset, rotary_offset, mrope_section,
+        )  # fmt: skip
+        raise (_o._retyped(error) if isinstance(error, ValueError) else error) from None
     _qk_norm_checked(
-        qkv,
-        num_heads_q,
-        num_heads_k,
-        num_heads_v,
-        q_weight,
-        k_weight,
-        positions,
-        cos_sin,
-        eps,
-        interleaved,
-        weight_offset,
-        rotary_offset,
-        mrope_section,
-        mrope_interleaved,
-    )
+        qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps, interleaved,
+        weight_offset, rotary_offset, mrope_section, mrope_interleaved,
+    )  # fmt: skip
 
 
 @_o._typed_errors
-def _qk_norm_checked(
-    qkv,
-    num_heads_q,
-    num_heads_k,
-    num_heads_v,
-    q_weight,
-    k_weight,
-    positions,
-    cos_sin,
-    eps,
-    interleaved,
-    weight_offset,
-    rotary_offset,
-    mrope_section,
-    mrope_interleaved,
-) -> None:
-    """``apply_qk_norm_rotary_`` past the eager fast path: every check, autograd and ``torch.compile``."""
+def _norm_args(
+    qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps, weight_offset,
+    rotary_offset, mrope_section,
+):  # fmt: skip
+    """The checks of ``apply_qk_norm_rotary_``'s general path before the op (they write nothing); returns
+    q and k (views of qkv), positions, and eps, weight_offset and ``mrope_section`` as the op takes them."""
     q, k = _split_qkv(qkv, num_heads_q, num_heads_k, num_heads_v)
     _o._require_tensor("q_weight", q_weight)
     _o._require_tensor("k_weight", k_weight)
@@ -318,13 +339,26 @@ def _qk_norm_checked(
     mrope_section = _o._sections(mrope_section)
     pos = _token_positions(positions, mrope_section)
     _o._pre_check(positions, cos_sin)
-    rest = (float(eps), interleaved, float(weight_offset), rotary_offset, mrope_section, mrope_interleaved)
+    return q, k, pos, float(eps), float(weight_offset), mrope_section
+
+
+@_o._typed_errors
+def _qk_norm_checked(
+    qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps, interleaved,
+    weight_offset, rotary_offset, mrope_section, mrope_interleaved,
+) -> None:  # fmt: skip
+    """``apply_qk_norm_rotary_`` past the eager fast path: every check, autograd and ``torch.compile``."""
+    q, k, pos, eps, weight_offset, mrope_section = _norm_args(
+        qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions, cos_sin, eps,
+        weight_offset, rotary_offset, mrope_section,
+    )  # fmt: skip
+    rest = (eps, interleaved, weight_offset, rotary_offset, mrope_section, mrope_interleaved)
     grad = torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad)
     if grad or torch.compiler.is_compiling():
         # The differentiable functional op, then one copy_ into the q and k columns of qkv (also the traced
         # path: see ops._rotate_in_place). With grad, the op saves copies of q and k (qkv changes next).
         if grad:
-            _o._check_inplace_allowed(qkv)
+            check_inplace_allowed(qkv, requires_grad=True)
             q, k = q.clone(), k.clone()
         q_new, k_new = _ops.qk_norm_rotary.default(q, k, q_weight, k_weight, pos, cos_sin, *rest)
         width = (num_heads_q + num_heads_k) * q.shape[-1]
@@ -364,19 +398,9 @@ def apply_qk_norm_rotary(
     pos = _token_positions(positions, mrope_section)
     _o._pre_check(positions, cos_sin)
     return _ops.qk_norm_rotary.default(
-        q,
-        k,
-        q_weight,
-        k_weight,
-        pos,
-        cos_sin,
-        float(eps),
-        interleaved,
-        float(weight_offset),
-        rotary_offset,
-        mrope_section,
-        mrope_interleaved,
-    )
+        q, k, q_weight, k_weight, pos, cos_sin, float(eps), interleaved, float(weight_offset), rotary_offset,
+        mrope_section, mrope_interleaved,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,9 +440,10 @@ def _rotary_qk_cache_fake(
     _fake_3d(k, "k", "[T, Hk, D]")
     _fake_3d(v, "v", "[T, Hk, Dv]")
     pos0 = _o._fake_sections(positions, cos_sin, mrope_section, mrope_interleaved)
-    _o._fake_checks(q, pos0, cos_sin, "q", rotary_offset)
+    _o._fake_checks(q, pos0, cos_sin, "q", rotary_offset, token_major=True)
     _o._same_device(q, k)
-    _o._fake_checks(k, pos0, cos_sin, "k", rotary_offset)
+    _o._fake_checks(k, pos0, cos_sin, "k", rotary_offset, token_major=True)
+    _fake_tokens(q, pos0)
     for name, t in (
         ("v", v),
         ("key_cache", key_cache),
@@ -512,9 +537,10 @@ def _norm_fake_checks(
     _fake_3d(q, "q", "[T, Hq, D]")
     _fake_3d(k, "k", "[T, Hk, D]")
     pos0 = _o._fake_sections(positions, cos_sin, mrope_section, mrope_interleaved)
-    _o._fake_checks(q, pos0, cos_sin, "q", rotary_offset)
+    _o._fake_checks(q, pos0, cos_sin, "q", rotary_offset, token_major=True)
     _o._same_device(q, k)
-    _o._fake_checks(k, pos0, cos_sin, "k", rotary_offset)
+    _o._fake_checks(k, pos0, cos_sin, "k", rotary_offset, token_major=True)
+    _fake_tokens(q, pos0)
     torch._check(q.shape[-1] <= 512, lambda: "head_dim must be at most 512 for the fused QK norm")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w.device != q.device:

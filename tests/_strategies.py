@@ -189,10 +189,14 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
         ]
         rows = math.prod(max(s, 1) for s in k_batch)
         k_batch = [s if rows <= budget or t else min(s, 1) for s, t in zip(k_batch, token, strict=True)]
-    # Positions: size of q where they vary, else 1, leading size-1 dims possibly dropped.
-    pos_shape = [s if t else 1 for s, t in zip(q_batch, token, strict=True)]
-    lead_ones = next((i for i, t in enumerate(token) if t), len(token))
-    pos_shape = pos_shape[draw(st.integers(0, lead_ones)) :]
+    # Positions: size of q where they vary, else 1 (full rank); the positions rule (rope_ext.positions)
+    # also takes leading size-1 dims dropped when the last dim is 1.
+    full = [s if t else 1 for s, t in zip(q_batch, token, strict=True)]
+    forms = [full]
+    if full and full[-1] == 1:
+        lead_ones = next((i for i, t in enumerate(token) if t), len(token))
+        forms += [full[i:] for i in range(1, lead_ones + 1)]
+    pos_shape = draw(st.sampled_from(forms))
     align = 8 if aligned else 1
 
     shape_q = (*q_batch, head_dim)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwad
 
 import rope_ext
 
@@ -140,3 +141,150 @@ def test_saved_input_modified_in_place_is_detected():
     rope_ext.apply_rotary_qk_(q, None, positions, cs)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Views autograd does not let an in-place op modify: refused before the first write, with autograd's text.
+
+H = 2
+VIEW_KINDS = ["unbind", "split", "chunk", "no_grad", "no_grad_base", "inference_mode", "custom_function"]
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _views(kind: str, a: torch.Tensor, n: int = 3) -> list[torch.Tensor]:
+    """``n`` views of the equal blocks of ``a``'s dim 1, made as ``kind`` says."""
+    size = a.shape[1] // n
+
+    def blocks(b):
+        return [b[:, i * size : (i + 1) * size] for i in range(n)]
+
+    if kind == "unbind":
+        return list(a.unflatten(1, (n, size)).unbind(1))
+    if kind == "split":
+        return list(a.split(size, dim=1))
+    if kind == "chunk":
+        return list(a.chunk(n, dim=1))
+    if kind == "custom_function":
+        return blocks(_Identity.apply(a))
+    with torch.inference_mode() if kind == "inference_mode" else torch.no_grad():
+        return blocks(a[:] if kind == "no_grad_base" else a)
+
+
+def _autograd_error(t: torch.Tensor) -> str:
+    """The message of autograd's error for an in-place op on ``t`` (raised before its kernel runs)."""
+    with pytest.raises(RuntimeError) as e:
+        t.mul_(2)
+    return str(e.value)
+
+
+def _leaf(shape, seed):
+    return torch.randn(
+        *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+    ).requires_grad_()
+
+
+def _unchanged(tensors, before) -> bool:
+    return all(torch.equal(t.detach(), b) for t, b in zip(tensors, before, strict=True))
+
+
+def test_issue_example_raises_before_writing():
+    w = torch.randn(4, 3, 2, 16, requires_grad=True)
+    q, k, v = (w * 1.0).unbind(1)
+    before = [t.detach().clone() for t in (q, k, w)]
+    versions = (q._version, k._version)
+    expected = _autograd_error((w * 1.0).unbind(1)[0])
+    with pytest.raises(RuntimeError) as e:
+        rope_ext.apply_rotary_qk_(q, k, torch.arange(4)[:, None], rope_ext.RopeCache(16).cos_sin)
+    assert str(e.value) == expected
+    assert _unchanged((q, k, w), before) and (q._version, k._version) == versions
+
+
+@pytest.mark.parametrize("kind", VIEW_KINDS)
+@pytest.mark.parametrize("refused", ["q", "k", "both"])
+def test_refused_view_raises_autograd_error_before_writing(kind, refused):
+    _, _, _, positions, cs = _setup()
+    w, w2 = _leaf((T, 3 * H, D), 1), _leaf((T, 3 * H, D), 2)
+    a, a2 = w * 1.0, w2 * 1.0
+    views, plain = _views(kind, a), a2[:, :H]  # plain: a slice, which autograd rebases
+    q = plain if refused == "k" else views[0]
+    k = plain if refused == "q" else views[1]
+    expected = _autograd_error(_views(kind, w * 1.0)[1 if refused == "k" else 0])  # q is checked first
+    before = [t.detach().clone() for t in (a, a2)]
+    versions = (q._version, k._version)
+    with pytest.raises(RuntimeError) as e:
+        rope_ext.apply_rotary_qk_(q, k, positions, cs)
+    assert str(e.value) == expected
+    assert _unchanged((a, a2), before) and (q._version, k._version) == versions
+
+
+@pytest.mark.parametrize("kind", VIEW_KINDS)
+@pytest.mark.parametrize("wrt", ["qkv", "weights"])
+def test_qk_norm_refused_view_raises_autograd_error_before_writing(kind, wrt):
+    """``apply_qk_norm_rotary_`` writes the normalised q and k into qkv: refused for the same views, also
+    when only the weights require grad (the values written do)."""
+    _, _, _, positions, cs = _setup()
+    width = 4 * D  # Hq = 2, Hk = Hv = 1
+    w = _leaf((T, 2 * width), 1).requires_grad_(wrt == "qkv")
+    qkv = _views(kind, w * 1.0, 2)[0]
+    weights = [_leaf((D,), 3 + i).requires_grad_(wrt == "weights") for i in range(2)]
+    twin = _views(kind, w * 1.0, 2)[0]
+    with pytest.raises(RuntimeError) as e:
+        twin.mul_(weights[0][0] if wrt == "weights" else 2)
+    before = qkv.detach().clone()
+    with pytest.raises(RuntimeError) as e2:
+        rope_ext.apply_qk_norm_rotary_(qkv, 2, 1, 1, *weights, positions.flatten(), cs)
+    assert str(e2.value) == str(e.value)
+    assert torch.equal(qkv.detach(), before)
+
+
+def test_qk_norm_weights_that_require_grad_give_the_out_of_place_gradient():
+    _, _, _, positions, cs = _setup()
+    x = torch.randn(T, 4 * D, dtype=torch.float64)
+    weights = [_leaf((D,), 3 + i) for i in range(2)]
+    qkv = x.clone()
+    rope_ext.apply_qk_norm_rotary_(qkv, 2, 1, 1, *weights, positions.flatten(), cs)
+    (qkv * x).sum().backward()
+    ref_weights = [t.detach().clone().requires_grad_() for t in weights]
+    q, k = x[:, : 2 * D].unflatten(1, (2, D)), x[:, 2 * D : 3 * D].unflatten(1, (1, D))
+    qo, ko = rope_ext.apply_qk_norm_rotary(q, k, *ref_weights, positions.flatten(), cs)
+    (torch.cat([qo.flatten(1), ko.flatten(1), x[:, 3 * D :]], dim=1) * x).sum().backward()
+    for t, ref in zip(weights, ref_weights, strict=True):
+        assert torch.allclose(t.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_dual_tensor_raises_before_writing():
+    """The recorded rotation has no forward-mode formula: a dual q is refused before it is rotated."""
+    _, _, _, positions, cs = _setup()
+    a = _leaf((T, H, D), 1) * 1.0
+    with fwad.dual_level():
+        q = fwad.make_dual(a, torch.ones_like(a))
+        before = q.detach().clone()
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            rope_ext.apply_rotary_qk_(q, None, positions, cs)
+        assert torch.equal(q.detach(), before)
+
+
+def test_compiled_refused_views_raise_before_running():
+    """Traced, the copy_ of the rotation into a view autograd refuses fails while tracing: nothing runs."""
+    torch._dynamo.reset()
+    _, _, _, positions, cs = _setup(torch.float32)
+    a = _leaf((T, 3 * H, D), 1).float() * 1.0
+    q, k, _ = _views("unbind", a)
+    before = a.detach().clone()
+
+    def rotate(q, k):
+        rope_ext.apply_rotary_qk_(q, k, positions, cs)
+        return q + k
+
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        torch.compile(rotate, fullgraph=True)(q, k)
+    assert torch.equal(a.detach(), before)

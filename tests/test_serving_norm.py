@@ -364,12 +364,14 @@ REJECTED = {  # name: (error, arguments that differ from a valid call on D=64; d
     "rotary_dim > D": (ValueError, dict(cs=(N_POS, 128))),
     "odd rotary_dim": (ValueError, dict(cs=torch.randn(N_POS, 7))),
     "float positions": (TypeError, dict(pos=torch.arange(5.0))),
-    "positions [T, 1]": (ValueError, dict(pos=torch.arange(5)[:, None])),
+    "positions [1, T]": (ValueError, dict(pos=torch.arange(5)[None])),
+    "positions [T, 2]": (ValueError, dict(pos=torch.arange(10).view(5, 2))),
     "negative eps": (ValueError, dict(eps=-1.0)),
     "rotary_offset past D": (ValueError, dict(cs=(N_POS, 32), rotary_offset=34)),
     "width": (ValueError, dict(heads=(3, 2, 2))),
     "num_heads_q=0": (ValueError, dict(heads=(0, 2, 10))),
     "num_heads_k=0": (ValueError, dict(heads=(10, 0, 2))),
+    "head counts that wrap": (ValueError, dict(heads=(2**63 - 1, 2**63 - 1, 4))),
 }
 
 

@@ -153,7 +153,7 @@ void check_writable(const Arg& q, const Arg* k) {
 rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
                              const Tensor& positions, const Tensor& cos_sin, bool interleaved,
                              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
-                             bool mrope_interleaved, const char* q_name, bool per_token) {
+                             bool mrope_interleaved, const char* q_name, bool token_major) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
   const ScalarType dtype = dtype_of(q_in);
@@ -212,8 +212,11 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   IntRef pos_sizes = positions.sizes(), pos_strides = positions.strides();
   if (mrope) {
     const auto& sec = *mrope_section;
-    const bool ok = sec.size() == 3 && sec[0] >= 0 && sec[1] >= 0 && sec[2] >= 0 &&
-                    sec[0] + sec[1] + sec[2] == rotary_dim / 2;
+    // Each section is bounded before the sum, which then cannot overflow.
+    const int64_t half = rotary_dim / 2;
+    bool ok = sec.size() == 3;
+    for (size_t s = 0; ok && s < 3; ++s) ok = sec[s] >= 0 && sec[s] <= half;
+    ok = ok && sec[0] + sec[1] + sec[2] == half;
     ROPE_CHECK(ValueError, ok,
                "mrope_section must be 3 non-negative ints (temporal, height, width) summing "
                "to rotary_dim / 2 = ",
@@ -235,9 +238,19 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
     return str("positions of shape ", shape_str(pos_sizes), " must be broadcastable to ", target,
                ".shape[:-1] = ", shape_str(shape));
   };
-  // per_token: positions [T] for q [T, H, D] read as [T, 1] (one trailing dim of size 1).
-  const int64_t virt = per_token && int64_t(pos_sizes.size()) == n - 1 ? 1 : 0;
-  const int64_t pos_dim = int64_t(pos_sizes.size()) + virt;
+  // The positions rule (README, "Positions"; rope_ext/positions.py): positions of the rank of
+  // x.shape[:-1], a scalar, or positions whose last dim is 1 broadcast as they are. Any other shape
+  // would align a token dim with the heads when sizes coincide: rejected, except in the token-major
+  // ops ([T, H, D]), where [T] is one position per token, read as [T, 1].
+  const int64_t rank = int64_t(pos_sizes.size());
+  const bool explicit_heads = rank == 0 || rank >= n || pos_sizes.back() == 1;
+  ROPE_CHECK(ValueError, explicit_heads || (token_major && rank == n - 1), "positions of shape ",
+             shape_str(pos_sizes), " are ambiguous for ", xname, ".shape[:-1] = ", shape_str(qb),
+             ": give them the rank of ", xname,
+             ".shape[:-1] with a 1 where they broadcast (positions[..., None] for [T] with "
+             "[T, H, D], [B, S, 1] for [B, S, H, D], [B, 1, S] for [B, H, S, D])");
+  const int64_t virt = explicit_heads ? 0 : 1;
+  const int64_t pos_dim = rank + virt;
   ROPE_CHECK(ValueError, pos_dim <= n, not_broadcastable(xname, qb));
 
   Dims tok, qh, kh;

@@ -7,8 +7,8 @@
 //
 // Errors are standard exceptions, which reach Python as: std::invalid_argument
 // -> ValueError, std::out_of_range -> IndexError. A wrong type or dtype throws
-// TypeError below (an std::invalid_argument, so ValueError from the bare op);
-// the Python API re-raises those as TypeError (rope_ext/ops.py).
+// TypeError below (an std::invalid_argument, so ValueError from the bare op,
+// its message tagged); the Python API re-raises those as TypeError.
 #pragma once
 
 #include <torch/csrc/stable/library.h>
@@ -32,11 +32,12 @@ using Sections = std::optional<std::vector<int64_t>>;
 using IntRef = torch::headeronly::IntHeaderOnlyArrayRef;
 class Arg;  // layout.h
 
-// A wrong type or dtype. Its message starts with the argument's name and
-// contains " must be " or " must have the dtype"; rope_ext/ops.py re-raises it
-// as TypeError (_TYPE_ERRORS there lists the phrases).
+// A wrong type or dtype. Its message starts with kTypeErrorTag, then the
+// argument's name; rope_ext/ops.py re-raises a ValueError whose message starts
+// with the tag as TypeError, without the tag.
+inline constexpr const char* kTypeErrorTag = "[type] ";
 struct TypeError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
+  explicit TypeError(const std::string& message) : std::invalid_argument(kTypeErrorTag + message) {}
 };
 
 // The message of the parts streamed in order.
@@ -245,14 +246,14 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws the exceptions above, naming the argument (q_name,
-// default "q" with k and "x" without); touches no data. per_token (the
-// serving ops): positions with one dim less than q.shape[:-1] ([T] for
-// [T, H, D]) are one position per token, read as [T, 1].
+// default "q" with k and "x" without); touches no data. Positions follow the
+// one rule of every op (README, "Positions"); token_major (the ops on
+// [T, H, D]) also reads positions [T] as [T, 1], one position per token.
 rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
                              const Tensor& positions, const Tensor& cos_sin, bool interleaved,
                              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
                              bool mrope_interleaved, const char* q_name = nullptr,
-                             bool per_token = false);
+                             bool token_major = false);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.

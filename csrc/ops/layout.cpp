@@ -16,6 +16,17 @@ std::array<int32_t, 2> device_codes(const Tensor& t) {
   return c;
 }
 
+// Byte extent [lo, hi) of the elements of t.
+std::pair<int64_t, int64_t> extent(const Layout& t) {
+  int64_t lo = 0, hi = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t span = (t.size[d] - 1) * t.stride[d];
+    (span < 0 ? lo : hi) += span;
+  }
+  const int64_t es = t.element_size;
+  return {t.data + lo * es, t.data + (hi + 1) * es};
+}
+
 }  // namespace
 
 Arg::Arg(const Tensor& t) : tensor_(&t), defined_(t.defined()), dtype_(), device_{} {
@@ -36,22 +47,18 @@ Arg::Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset)
   layout_.stride = IntRef(view_stride_, n);
   layout_.element_size = base.layout_.element_size;
   layout_.data = base.layout_.data + offset * base.layout_.element_size;
+  // A view reaches only bytes of its base: a kernel given it cannot leave the base's storage.
+  if (layout_.numel() != 0) {
+    const auto [lo, hi] = extent(layout_);
+    const auto [base_lo, base_hi] = extent(base.layout_);
+    if (base.layout_.numel() == 0 || lo < base_lo || hi > base_hi)
+      throw std::logic_error("Arg view: reaches outside its base tensor");
+  }
 }
 
 bool Arg::same_device(const Tensor& t) const { return device_ == device_codes(t); }
 
 namespace {
-
-// Byte extent [lo, hi) of the elements of t.
-std::pair<int64_t, int64_t> extent(const Layout& t) {
-  int64_t lo = 0, hi = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t span = (t.size[d] - 1) * t.stride[d];
-    (span < 0 ? lo : hi) += span;
-  }
-  const int64_t es = t.element_size;
-  return {t.data + lo * es, t.data + (hi + 1) * es};
-}
 
 // Dims of t as (size, byte stride), size-1 dims dropped, innermost last, with
 // contiguous neighbours merged. Returns the byte length of the innermost run.

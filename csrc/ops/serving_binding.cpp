@@ -4,6 +4,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -81,6 +82,8 @@ rope::CacheParams make_cache_params(
   check_3d(k, "k", "[T, Hk, D]");
   check_3d(v, "v", "[T, Hk, Dv]");
   const int64_t T = q.size(0), Hk = k.size(1), D = q.size(2), Dv = v.size(2);
+  ROPE_CHECK(ValueError, Dv <= rope::kMaxHeadDim, "v.shape[-1] must be at most ", rope::kMaxHeadDim,
+             ", got ", Dv);
   ROPE_CHECK(ValueError, k.size(0) == T && v.size(0) == T, "q, k and v must have the same tokens T",
              " (dim 0), got shapes ", shape_str(q.sizes()), ", ", shape_str(k.sizes()), ", ",
              shape_str(v.sizes()));
@@ -254,6 +257,8 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
              rope::kMaxNormHeadDim, " for the fused QK norm, got ", D);
   ROPE_CHECK(ValueError, eps >= 0 && eps < 1e30, "eps must be a non-negative finite number, got ",
              eps);
+  ROPE_CHECK(ValueError, std::isfinite(weight_offset), "weight_offset must be finite, got ",
+             weight_offset);
   rope::NormParams np{};
   np.rope = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, false, rotary_offset,
                         mrope_section, mrope_interleaved, "q", true);
@@ -319,9 +324,13 @@ void qk_norm_rotary_packed_(const Tensor& qkv_t, int64_t num_heads_q, int64_t nu
   const Arg qkv(qkv_t);
   ROPE_CHECK(ValueError, qkv.dim() == 2, "qkv must be [T, (Hq+Hk+Hv)*D], got shape ",
              shape_str(qkv.sizes()));
-  ROPE_CHECK(ValueError, num_heads_q >= 1 && num_heads_k >= 1 && num_heads_v >= 0,
-             "head counts must be ints, q and k >= 1, v >= 0; got (", num_heads_q, ", ",
-             num_heads_k, ", ", num_heads_v, ")");
+  // Each count is bounded before the sum, which then cannot overflow.
+  constexpr int64_t kMaxHeads = (int64_t(1) << 31) - 1;
+  ROPE_CHECK(ValueError,
+             num_heads_q >= 1 && num_heads_k >= 1 && num_heads_v >= 0 && num_heads_q <= kMaxHeads &&
+                 num_heads_k <= kMaxHeads && num_heads_v <= kMaxHeads,
+             "head counts must be ints, q and k in [1, 2^31 - 1], v in [0, 2^31 - 1]; got (",
+             num_heads_q, ", ", num_heads_k, ", ", num_heads_v, ")");
   const int64_t heads = num_heads_q + num_heads_k + num_heads_v, width = qkv.size(1);
   ROPE_CHECK(ValueError, width % heads == 0, "qkv.shape[-1] = ", width,
              " is not a multiple of Hq+Hk+Hv = ", heads);

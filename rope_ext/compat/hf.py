@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -163,7 +164,8 @@ def _rotate(
     for s in lead:
         n *= s
     table = torch.cat([_pair_values(cos, rot.layout), _pair_values(sin, rot.layout)], dim=-1).reshape(n, w)
-    positions = torch.arange(n, device=cos.device).view(lead)
+    # Full rank (leading 1s): cos broadcasts numpy-style, which the ops take as it is at full rank only.
+    positions = torch.arange(n, device=cos.device).view((1,) * max(0, q.dim() - 1 - len(lead)) + tuple(lead))
     interleaved = rot.pairing == "interleaved"
     if dq == dk and table.dtype in (torch.float32, dq):
         q, k = apply_rotary_qk(q, k, positions, table, interleaved=interleaved)
@@ -248,9 +250,10 @@ def _make_patched(original: Callable, rot: _Rotation, sig: _Signature) -> Callab
     names, defaults, ud_default = sig.names, sig.defaults, sig.unsqueeze_default
 
     def patched(q, k, cos, sin, *args, **kwargs):
-        if _ATTENTION and isinstance(getattr(_ATTENTION[-1], "q_norm", None), _DeferredNorm):
+        attention = _RUNNING.attention
+        if attention is not None and isinstance(getattr(attention, "q_norm", None), _DeferredNorm):
             # Inside an attention whose q / k norms are deferred to here (fused QK norm).
-            return _fused_norm_rotate(_ATTENTION[-1], patched_plain, q, k, cos, sin, args, kwargs, rot)
+            return _fused_norm_rotate(attention, patched_plain, q, k, cos, sin, args, kwargs, rot)
         return patched_plain(q, k, cos, sin, *args, **kwargs)
 
     def patched_plain(q, k, cos, sin, *args, **kwargs):
@@ -283,8 +286,26 @@ def _make_patched(original: Callable, rot: _Rotation, sig: _Signature) -> Callab
 # always, the modeling module's rotary function: their norms can be deferred into one fused op.
 FUSED_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
-# The attention modules running a forward with deferred norms, innermost last.
-_ATTENTION: list[nn.Module] = []
+
+class _Running(threading.local):
+    """Per thread: the attention module whose forward (with deferred norms) this thread is running, the
+    innermost one, else None.
+
+    Per thread because threads run patched models at once (a threaded server, DataParallel replicas): with
+    one process-wide record, a norm or rotation in one thread would read the other thread's attention and
+    apply its norms, or apply them twice. Not a ``ContextVar``: ``torch.compile(fullgraph=True)`` traces
+    reads and writes of a ``threading.local``'s attributes (guarded on the calling thread's values) but
+    breaks the graph at ``ContextVar.set``. ``attention`` is set in ``__init__`` (run in each thread on its
+    first access), not given as a class attribute: with a class default, dynamo (torch 2.14) guards on the
+    attribute being absent from the thread's ``__dict__``, a guard the traced forward's own writes fail, and
+    the compile errors out.
+    """
+
+    def __init__(self) -> None:
+        self.attention: nn.Module | None = None
+
+
+_RUNNING = _Running()
 
 
 class _DeferredNorm(nn.Module):
@@ -302,7 +323,8 @@ class _DeferredNorm(nn.Module):
         self.weight_offset = weight_offset
 
     def forward(self, x: Tensor) -> Tensor:
-        if _ATTENTION and _ATTENTION[-1] is self.__dict__.get("owner"):
+        attention = _RUNNING.attention
+        if attention is not None and attention is self.__dict__.get("owner"):
             return x
         return self.original(x)
 
@@ -356,12 +378,14 @@ def _fusable_attentions(model: nn.Module) -> list[nn.Module]:
 
 
 def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The attention's own forward with its q / k norms deferred to the rotary function."""
-    _ATTENTION.append(self)
+    """The attention's own forward with its q / k norms deferred to the rotary function. The attention
+    running before (an outer one, or None) is restored after, in this thread only."""
+    outer = _RUNNING.attention
+    _RUNNING.attention = self
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
-        _ATTENTION.pop()
+        _RUNNING.attention = outer
 
 
 def _defer_norms(attention: nn.Module) -> None:
