@@ -18,7 +18,7 @@ EXT_STAMP := build/.ext-stamp
 CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh tests/native/*.cpp)
 PY_DIRS := rope_ext tests benchmarks setup.py
 
-.PHONY: install build test bench lint format clean
+.PHONY: install build test test-sanitize bench lint format clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -40,6 +40,36 @@ PYTEST_WORKERS ?= 2
 
 test: build
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-sanitize
+
+# The sanitizer build: the CPU library and the host emulation of the CUDA bodies built with AddressSanitizer
+# and UndefinedBehaviorSanitizer in build/sanitize, beside a copy of the Python package; the op, property and
+# fuzz tests run on it (every report is fatal; --capture=sys leaves the reports on stderr). The in-place
+# build is left as it is. libstdc++ is preloaded after libasan so that ASan's interceptor of C++ throws finds
+# the real one. `make test` runs it after the suite.
+SAN := build/sanitize
+SAN_TESTS ?= tests/test_hostile_integers.py tests/test_crash_fuzz.py tests/test_positions_rule.py \
+	tests/test_error_classes.py tests/test_ops.py tests/test_property.py tests/test_serving_cache.py \
+	tests/test_serving_norm.py tests/test_inplace_safety.py
+# Tests whose code differs per CPU instruction set run again on each set below the best (capped by
+# ROPE_EXT_CPU_ISA); tests/test_hostile_integers.py walks every set itself. A request larger than memory
+# (a hostile shape) returns null to torch, which raises, instead of stopping the process.
+SAN_ISA_TESTS ?= tests/test_crash_fuzz.py tests/test_ops.py tests/test_positions_rule.py \
+	tests/test_serving_cache.py tests/test_serving_norm.py
+SAN_ENV := ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:allocator_may_return_null=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ROPE_EXT_EXPECT_PACKAGE=$(SAN) \
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)"
+SAN_PYTEST := $(VENV)/bin/pytest -q --capture=sys -p no:cacheprovider -o pythonpath=$(SAN)
+
+test-sanitize: install
+	$(PY) -c "import shutil; shutil.copytree('rope_ext', '$(SAN)/rope_ext', dirs_exist_ok=True, \
+		ignore=shutil.ignore_patterns('*.so', '__pycache__'))"
+	ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext -b $(SAN) -t $(SAN)/temp
+	$(SAN_ENV) $(SAN_PYTEST) $(SAN_TESTS) $(PYTEST_ARGS)
+	for isa in scalar avx2 avx512; do \
+		echo "sanitizer build, ROPE_EXT_CPU_ISA=$$isa"; \
+		$(SAN_ENV) ROPE_EXT_CPU_ISA=$$isa $(SAN_PYTEST) $(SAN_ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 bench: build
 	$(PY) -m rope_ext.bench --quick $(BENCH_ARGS)

@@ -10,6 +10,8 @@ Extensions (Python modules that expose no functions; importing one registers its
 Environment:
   ROPE_EXT_CPU_ONLY=1       build without the CUDA kernels even when nvcc is found
   ROPE_EXT_TESTING=1        add rope_ext._C_testing
+  ROPE_EXT_SANITIZE=1       build with AddressSanitizer and UndefinedBehaviorSanitizer (`make test-sanitize`;
+                            CPU only: run with libasan preloaded)
   TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else "8.0;9.0+PTX"
   CUDA_HOME                 CUDA toolkit; default /usr/local/cuda when it exists
 
@@ -49,8 +51,14 @@ def extensions():
     # --fmad=true is the documented choice of the CUDA kernel. -fvisibility=hidden: the libraries
     # share the binding code and must not resolve each other's copies.
     cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fvisibility=hidden"]
+    link = []
+    if os.environ.get("ROPE_EXT_SANITIZE") == "1":
+        # Every report is fatal (-fno-sanitize-recover): a test that triggers one fails.
+        sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+        cxx = [*cxx[:1], "-g", *cxx[1:], *sanitize]
+        link = sanitize
     macros = [("ROPE_EXT_PYTHON_MODULE", None), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
-    common = dict(define_macros=macros, py_limited_api=True)
+    common = dict(define_macros=macros, py_limited_api=True, extra_link_args=link)
     binding = ["csrc/ops/binding.cpp", "csrc/ops/layout.cpp", "csrc/ops/serving_binding.cpp"]
     exts = [
         cpp_extension.CppExtension(
@@ -71,7 +79,7 @@ def extensions():
                 **common,
             )
         )
-    if want_cuda():
+    if want_cuda() and os.environ.get("ROPE_EXT_SANITIZE") != "1":
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
         nvcc = ["-O3", "-std=c++20", "--fmad=true", "-lineinfo", "-Xcompiler", "-ffp-contract=off"]

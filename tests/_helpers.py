@@ -22,6 +22,15 @@ import rope_ext
 if importlib.util.find_spec("rope_ext._C_testing") is not None:
     import rope_ext._C_testing  # noqa: F401  (registers torch.ops.rope_ext._cuda_emulated)
 
+
+def child_env() -> dict[str, str]:
+    """The environment of a child Python that imports the rope_ext this process runs (the in-place build,
+    or the sanitizer build of ``make test-sanitize``) and the test helpers."""
+    package_root = Path(rope_ext.__file__).resolve().parents[1]
+    tests = Path(__file__).resolve().parent
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(package_root), str(tests)]))
+
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 HAS_CUDA = torch.cuda.is_available()
 

@@ -17,6 +17,9 @@ import rope_ext
 
 def pytest_sessionstart(session):
     # test_cpu_isa.py runs the CPU matrix once per instruction set, in a child pytest that must use it.
+    package = os.environ.get("ROPE_EXT_EXPECT_PACKAGE")  # make test-sanitize: its build, not the in-place one
+    if package and not rope_ext.__file__.startswith(os.path.abspath(package)):
+        pytest.exit(f"ROPE_EXT_EXPECT_PACKAGE={package} but rope_ext is {rope_ext.__file__}", returncode=3)
     want = os.environ.get("ROPE_EXT_EXPECT_CPU_ISA")
     if want and rope_ext._cpu_isa() != want:
         pytest.exit(

@@ -8,7 +8,6 @@ as a failed test instead of killing pytest, and a hang is caught by a timeout.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import HAS_EMULATION, make_cos_sin, requires_emulation
+from _helpers import HAS_EMULATION, child_env, make_cos_sin, requires_emulation
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = (TypeError, ValueError, IndexError, RuntimeError, NotImplementedError)
@@ -385,7 +384,7 @@ def fuzz(n_cases: int, seed: int) -> dict:
 
 def test_fuzz_malformed_arguments_in_subprocess():
     """FUZZ_CASES random malformed calls: each raises a documented exception type or is correct."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__)), str(FUZZ_CASES), "1234"],
         cwd=ROOT,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTILE = (0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63))
@@ -198,7 +199,13 @@ def run() -> dict:
 
 def test_hostile_integers_raise_or_compute():
     proc = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False
+        [sys.executable, __file__],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=child_env(),
+        check=False,
     )
     assert proc.returncode == 0, f"crashed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -221,5 +228,4 @@ def test_issue_example_section_sum_that_wraps(value):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     print(json.dumps(run()))
