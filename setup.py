@@ -46,9 +46,10 @@ def want_cuda() -> bool:
 
 
 def extensions():
-    # -ffp-contract=off: the host compiler never fuses a * b + c on its own (the vector kernels' FMAs
-    # are explicit intrinsics), so results do not depend on compiler defaults. On the GPU,
-    # --fmad=true is the documented choice of the CUDA kernel. -fvisibility=hidden: the libraries
+    # -ffp-contract=off: the host compiler never fuses a * b + c on its own (the rotation's FMAs are
+    # explicit: intrinsics in the vector kernels, fma_rn in rope.h), so results do not depend on compiler
+    # defaults. On the GPU --fmad=true may contract other arithmetic; the rotation is written with
+    # __fmaf_rn / __fmul_rn and gives the host's bits. -fvisibility=hidden: the libraries
     # share the binding code and must not resolve each other's copies.
     cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fvisibility=hidden"]
     link = []

@@ -122,13 +122,52 @@ struct Store<BFloat16> {
 };
 
 // ---------------------------------------------------------------------------
+// A product rounded once, and a fused multiply-add (a b + c rounded once),
+// whatever the compiler's contraction setting: the host builds compile with
+// -ffp-contract=off and nvcc with --fmad=true, so the grouping is written
+// here and nowhere left to the compiler.
+ROPE_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+ROPE_HD double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+ROPE_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+ROPE_HD double fma_rn(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 // The rotation of one feature pair (x1, x2) by the angle whose cosine and sine
 // are (c, s):  y1 = x1 c - x2 s,  y2 = x2 c + x1 s.  The inverse rotation (and
 // the gradient) is the same map with s negated.
+//
+// One grouping on every path, so that the portable and vector CPU kernels, the
+// host emulation and the GPU give the same bits: the product with s is rounded,
+// then x c is added to it in one fused multiply-add,
+//   y1 = fma(x1, c, -(x2 s)),  y2 = fma(x2, c, x1 s)
+// (the vector kernels' fmsub / fmadd onto a rounded product).
 template <class A>
 ROPE_HD void rotate_pair(A x1, A x2, A c, A s, A& y1, A& y2) {
-  y1 = x1 * c - x2 * s;
-  y2 = x2 * c + x1 * s;
+  y1 = fma_rn(x1, c, -mul_rn(x2, s));
+  y2 = fma_rn(x2, c, mul_rn(x1, s));
 }
 
 // Index of the two features of pair j within a head.
