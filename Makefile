@@ -16,7 +16,7 @@ export ROPE_EXT_TESTING := 1
 SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 EXT_STAMP := build/.ext-stamp
 CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh tests/native/*.cpp)
-PY_DIRS := rope_ext tests benchmarks setup.py
+PY_DIRS := rope_ext tests benchmarks examples setup.py
 
 .PHONY: install build test test-sanitize bench lint format clean
 
@@ -48,7 +48,7 @@ test: build
 # build is left as it is. libstdc++ is preloaded after libasan so that ASan's interceptor of C++ throws finds
 # the real one. `make test` runs it after the suite.
 SAN := build/sanitize
-SAN_TESTS ?= tests/test_hostile_integers.py tests/test_crash_fuzz.py tests/test_positions_rule.py \
+SAN_TESTS ?= tests/test_hostile_integers.py tests/test_fuzz_ops.py tests/test_crash_fuzz.py tests/test_positions_rule.py \
 	tests/test_error_classes.py tests/test_ops.py tests/test_property.py tests/test_serving_cache.py \
 	tests/test_serving_norm.py tests/test_inplace_safety.py
 # Tests whose code differs per CPU instruction set run again on each set below the best (capped by

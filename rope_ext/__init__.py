@@ -1,6 +1,6 @@
 """rope_ext: rotary positional embeddings as compiled PyTorch ops (CPU and CUDA)."""
 
-from . import compat, distributed, reference, scaling
+from . import distributed, reference, scaling
 from .cache import RopeCache
 from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
@@ -26,4 +26,19 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-distributed.register_sharding_rules()  # DTensor support (a no-op without torch.distributed)
+# DTensor support (a no-op without torch.distributed): the sharding rules are registered now if
+# torch.distributed.tensor is already imported, else right after its import; rope_ext does not import it.
+distributed.register_sharding_rules_on_import()
+
+
+def __getattr__(name: str):
+    # rope_ext.compat (the adapters) is imported on first access: the ops do not need it.
+    if name == "compat":
+        import importlib
+
+        return importlib.import_module(".compat", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "compat"})

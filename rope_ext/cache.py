@@ -143,7 +143,14 @@ class RopeCache:
     # -- construction from a transformers config -------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, config: Any, *, layer_type: str | None = None, **kwargs: Any) -> RopeCache:
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        layer_type: str | None = None,
+        max_positions: int | None = None,
+        **kwargs: Any,
+    ) -> RopeCache:
         """Build the cache a transformers model would use, from its config object or a plain dict.
 
         Reads both the 4.x form (top-level ``rope_theta``, ``partial_rotary_factor`` (or GPT-NeoX's
@@ -152,16 +159,34 @@ class RopeCache:
         (``rope_parameters``, possibly nested per layer type, e.g. ``{"full_attention": {...},
         "sliding_attention": {...}}``: ``layer_type`` picks the entry). A config with a ``text_config``
         and no head size of its own is read through its ``text_config``. Other keyword arguments are
-        the constructor's (``max_positions``, ``device``, ``dtype``).
+        the constructor's (``device``, ``dtype``).
+
+        **Length.** Without ``max_positions`` the table holds the config's ``max_position_embeddings``
+        positions (``0 .. max_position_embeddings - 1``; 2048 when the config has no such field), and the
+        length-dependent variants start where transformers' rotary module starts: ``dynamic`` with the
+        unscaled base (its trained length is ``max_position_embeddings``), ``longrope`` with the short
+        factors (``seq_len`` is ``original_max_position_embeddings``; the other rows are reserved, see
+        :meth:`reserve`). As in transformers, a longer sequence then switches them: ``ensure(n)`` (or
+        :class:`~rope_ext.RotaryEmbedding` without ``positions``) rescales the ``dynamic`` base for ``n`` past
+        ``max_position_embeddings`` and moves ``longrope`` to the long factors once ``n`` is past
+        ``original_max_position_embeddings``, rebuilding every row (transformers also goes back to the short
+        factors for a later short sequence; here that is ``set_seq_len(n)``). An explicit ``max_positions=n``
+        is the constructor's: ``n`` rows and ``seq_len = n`` (so ``longrope`` with ``n`` past the original
+        length uses the long factors everywhere: what a server sized once for its longest context wants).
+        Positions past the table raise ``IndexError`` in the ops.
 
         MRoPE models (``mrope_section`` / ``mrope_interleaved`` in the rope dict: Qwen2-VL, Qwen2.5-VL,
         Qwen3-VL) set :attr:`mrope_section` and :attr:`mrope_interleaved`, the arguments to pass to the ops
         with ``[3, ...]`` positions.
         """
-        from .hf_config import parse_hf_config, parse_mrope
+        from .hf_config import default_table_lengths, parse_hf_config, parse_mrope
 
         _, rotary_dim, base, scaling = parse_hf_config(config, layer_type=layer_type)
-        cache = cls(rotary_dim, base, scaling=scaling, **kwargs)
+        if max_positions is None:
+            seq_len, positions = default_table_lengths(config, scaling)
+            cache = cls(rotary_dim, base, scaling=scaling, max_positions=seq_len, **kwargs).reserve(positions)
+        else:
+            cache = cls(rotary_dim, base, scaling=scaling, max_positions=max_positions, **kwargs)
         cache.mrope_section, cache.mrope_interleaved = parse_mrope(config, layer_type=layer_type)
         return cache
 

@@ -1,7 +1,12 @@
 """Sharding rules of rope_ext's ops for DTensor (torch.distributed.tensor); no communication of our own.
 
-Registered on import of rope_ext when torch.distributed is available (:func:`register_sharding_rules`). Per
-mesh dim, an op accepts:
+Registered (:func:`register_sharding_rules`) as soon as both rope_ext and torch.distributed.tensor are
+imported, whichever comes first: ``import rope_ext`` registers them at once when torch.distributed.tensor is
+already loaded, else installs an import hook (:func:`register_sharding_rules_on_import`) that registers them
+right after torch.distributed.tensor's own import. A DTensor cannot exist before that import, so the rules
+are in place before the first DTensor reaches an op, and ``import rope_ext`` does not pay for importing
+torch.distributed.tensor (and sympy with it) in a process that never uses DTensor. Per mesh dim, an op
+accepts:
 
 * everything replicated;
 * q (and k) sharded on any dim but the last (heads: tensor parallel; tokens: sequence / context parallel;
@@ -27,14 +32,78 @@ writes only the local shards; DTensor refuses an in-place call whose q or k woul
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["register_sharding_rules"]
+__all__ = ["register_sharding_rules", "register_sharding_rules_on_import"]
 
 _registered = False
+_DTENSOR = "torch.distributed.tensor"
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers the rules right after torch.distributed.tensor's import, wherever it is imported from.
+
+    A finder first in ``sys.meta_path`` that finds nothing itself: for torch.distributed.tensor it asks the
+    other finders for the spec and wraps that spec's loader's ``exec_module`` (on this one loader instance,
+    removed again after the call), so the module loads exactly as it would without the hook, and the rules
+    are registered once it has fully executed. The hook removes itself once they are registered; a failed
+    import leaves it for the next attempt.
+    """
+
+    def __init__(self) -> None:
+        self._finding = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _DTENSOR or self._finding:
+            return None
+        self._finding = True  # the lookup below asks every finder again, this one included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
+        loader = getattr(spec, "loader", None)
+        # Only a loader instance is wrapped (a class, as for built-in or frozen modules, is shared).
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            try:
+                exec_module(module)
+            finally:
+                del loader.exec_module  # the loader as it was
+            register_sharding_rules()
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+        try:
+            loader.exec_module = exec_then_register
+        except AttributeError:  # a loader without an instance __dict__: loaded as it is, rules not hooked
+            pass
+        return spec
+
+
+_hook: _RegisterOnImport | None = None
+
+
+def register_sharding_rules_on_import() -> bool:
+    """Registers the rules now if torch.distributed.tensor is imported, else right after its import (an import
+    hook); False when torch.distributed is missing. Called on import of rope_ext."""
+    global _hook
+    if not torch.distributed.is_available():
+        return False
+    if _DTENSOR in sys.modules:
+        return register_sharding_rules()
+    if _hook is None:
+        _hook = _RegisterOnImport()
+        sys.meta_path.insert(0, _hook)
+    return True
 
 
 def _placements(q: Any, positions: Any, mrope: bool) -> list[tuple[Any, Any]]:
@@ -81,6 +150,9 @@ def register_sharding_rules() -> bool:
         return False
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.experimental import register_sharding
+
+    if _registered:  # the import above was the first: the import hook has registered them
+        return True
 
     ops = torch.ops.rope_ext
     R = Replicate()

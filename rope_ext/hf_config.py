@@ -7,7 +7,11 @@ from typing import Any
 
 from .scaling import resolve_rope_type
 
-__all__ = ["parse_hf_config"]
+__all__ = ["DEFAULT_MAX_POSITIONS", "default_table_lengths", "parse_hf_config"]
+
+# Table length of a config without ``max_position_embeddings`` (and of RopeCache / RotaryEmbedding built
+# without a config).
+DEFAULT_MAX_POSITIONS = 2048
 
 _MISSING = object()
 # Keys of a flat rope parameters dict (to tell it from a dict nested per layer type).
@@ -113,6 +117,33 @@ def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int,
     if mpe is not None and rope_type in ("yarn", "longrope"):
         scaling["max_position_embeddings"] = mpe
     return head_dim, rotary_dim, float(base), scaling
+
+
+def default_table_lengths(config: Any, scaling: Mapping[str, Any]) -> tuple[int, int]:
+    """``(seq_len, positions)`` of the table ``from_hf_config`` builds when no ``max_positions`` is given.
+
+    ``positions`` (the rows available: ``0 .. positions-1``) is the config's ``max_position_embeddings``
+    (read through ``text_config`` like :func:`parse_hf_config`), or :data:`DEFAULT_MAX_POSITIONS` when the
+    config has none. ``seq_len`` (the length the frequencies of ``dynamic`` / ``longrope`` are keyed on) is
+    the one transformers' rotary module starts from: ``positions`` for every variant but ``longrope``
+    (``dynamic``: ``original_max_position_embeddings`` is ``max_position_embeddings``, so the base is
+    unscaled), and ``min(positions, original_max_position_embeddings)`` for ``longrope``, whose module
+    starts with the short factors. ``scaling`` is :func:`parse_hf_config`'s.
+    """
+    get = _getter(config)
+    if get("head_dim") is None and get("hidden_size") is None and get("text_config") is not None:
+        return default_table_lengths(get("text_config"), scaling)
+    mpe = get("max_position_embeddings")
+    if mpe is None:
+        positions = DEFAULT_MAX_POSITIONS
+    elif isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1:
+        raise ValueError(f"'max_position_embeddings' must be an int > 0, got {mpe!r}")
+    else:
+        positions = mpe
+    original = scaling.get("original_max_position_embeddings")
+    if scaling.get("rope_type") == "longrope" and isinstance(original, int) and original >= 1:
+        return min(positions, original), positions
+    return positions, positions
 
 
 def parse_mrope(config: Any, *, layer_type: str | None = None) -> tuple[tuple[int, int, int] | None, bool]:

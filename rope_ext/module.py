@@ -91,16 +91,21 @@ class RotaryEmbedding(nn.Module):
         *,
         layer_type: str | None = None,
         interleaved: bool = False,
-        max_positions: int = 2048,
+        max_positions: int | None = None,
         device: torch.device | str | None = None,
     ) -> RotaryEmbedding:
         """Module for a transformers config (object or dict; see :meth:`RopeCache.from_hf_config`).
 
         ``interleaved`` for checkpoints in GPT-J / Meta pairing; ``device`` moves the module there.
+        ``max_positions`` defaults to the config's ``max_position_embeddings``, with ``dynamic`` /
+        ``longrope`` starting as transformers' module does (see :meth:`RopeCache.from_hf_config`).
         """
-        from .hf_config import parse_hf_config, parse_mrope
+        from .hf_config import default_table_lengths, parse_hf_config, parse_mrope
 
         head_dim, rotary_dim, base, scaling = parse_hf_config(config, layer_type=layer_type)
+        reserve = None
+        if max_positions is None:
+            max_positions, reserve = default_table_lengths(config, scaling)
         section, mrope_interleaved = parse_mrope(config, layer_type=layer_type)
         m = cls(
             head_dim,
@@ -112,6 +117,9 @@ class RotaryEmbedding(nn.Module):
             mrope_section=section,
             mrope_interleaved=mrope_interleaved,
         )
+        if reserve is not None and reserve > max_positions:
+            m.cache.reserve(reserve)
+            m._device_tables.refresh()
         return m if device is None else m.to(device)
 
     def _apply(self, fn, recurse: bool = True):
@@ -132,6 +140,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, q: Tensor, k: Tensor, positions: Tensor | None = None, *, offset: int = 0, inplace: bool = False
     ) -> tuple[Tensor, Tensor]:
+        for name, t in (("q", q), ("k", k), ("positions", positions)):
+            if not isinstance(t, Tensor) and not (t is None and name == "positions"):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if isinstance(offset, bool) or not hasattr(offset, "__index__"):  # int, SymInt, numpy integer
+            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
         if q.dim() < 3 or k.dim() != q.dim():
             raise ValueError(
                 "q and k must be [batch, seq, heads, head_dim] or [seq, heads, head_dim], "

@@ -51,11 +51,12 @@ def _fake_tokens(q: Tensor, positions: Tensor) -> None:
         )
 
 
-def _no_grad_wanted(*tensors: Tensor | None) -> None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+def _no_grad_wanted(**tensors: Tensor | None) -> None:
+    names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and names:
         raise RuntimeError(
-            "apply_rotary_qk_and_cache_ is an inference op and records no gradient; call it under "
-            "torch.no_grad() (or use apply_rotary_qk for training)"
+            f"{', '.join(names)} requires grad, but apply_rotary_qk_and_cache_ is an inference op and "
+            "records no gradient; call it under torch.no_grad() (or use apply_rotary_qk for training)"
         )
 
 
@@ -131,12 +132,14 @@ def apply_rotary_qk_and_cache_(
     """
     if (
         type(q) is type(k) is type(v) is type(positions) is type(slot_mapping) is Tensor
+        and type(key_cache) is type(value_cache) is Tensor
         and type(layout) is str
         and positions.dim() == 1
         and mrope_section is None
         and not mrope_interleaved
         and type(rotary_offset) is int
         and not (q.requires_grad or k.requires_grad or v.requires_grad)
+        and not (key_cache.requires_grad or value_cache.requires_grad)
         and (q_out is None or (type(q_out) is Tensor and not q_out.requires_grad))
         and not _o._check_positions_on_device
         and not _is_compiling()
@@ -196,7 +199,7 @@ def _cache_args(
         raise TypeError(f"layout must be 'NHD' or 'HND', got {type(layout).__name__}")
     mrope_section = _o._sections(mrope_section)
     pos = _token_positions(positions, mrope_section)
-    _no_grad_wanted(q, k, v, q_out)
+    _no_grad_wanted(q=q, k=k, v=v, q_out=q_out, key_cache=key_cache, value_cache=value_cache)
     _o._pre_check(positions, cos_sin)
     _pre_check_slots(slot_mapping, key_cache, layout)
     return pos, mrope_section
@@ -234,6 +237,10 @@ def _split_qkv(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int
         raise ValueError(f"head counts must be ints, q and k >= 1, v >= 0; got {counts}")
     if qkv.dim() != 2:
         raise ValueError(f"qkv must be [T, (Hq+Hk+Hv)*D], got shape {list(qkv.shape)}")
+    if not qkv.is_floating_point() or qkv.dtype in FP8_DTYPES:
+        raise TypeError(
+            f"qkv must be a floating tensor (float32, float64, float16 or bfloat16), got {qkv.dtype}"
+        )
     heads = sum(counts)
     width = qkv.shape[-1]
     if width % heads:
@@ -244,9 +251,9 @@ def _split_qkv(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int
     return q, k
 
 
-def _check_eps(eps) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+def _check_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
 
 
 def apply_qk_norm_rotary_(
@@ -282,6 +289,7 @@ def apply_qk_norm_rotary_(
         and positions.dim() == 1
         and type(num_heads_q) is type(num_heads_k) is type(num_heads_v) is int
         and type(eps) is float
+        and type(weight_offset) in (float, int)
         and mrope_section is None
         and not mrope_interleaved
         and type(rotary_offset) is int
@@ -291,7 +299,7 @@ def apply_qk_norm_rotary_(
     ):
         # The common eager call (a decode step): one op on qkv, which checks everything else (trailing
         # defaults, eps included, not passed, as in apply_rotary_qk_and_cache_). A weight_offset that is
-        # not 0 (None included) is passed as the general path passes it, through float().
+        # not 0 is passed as the general path passes it, through float().
         try:
             if interleaved or weight_offset != 0 or rotary_offset:
                 _packed_norm_op(
@@ -331,11 +339,17 @@ def _norm_args(
     """The checks of ``apply_qk_norm_rotary_``'s general path before the op (they write nothing); returns
     q and k (views of qkv), positions, and eps, weight_offset and ``mrope_section`` as the op takes them."""
     q, k = _split_qkv(qkv, num_heads_q, num_heads_k, num_heads_v)
+    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(qkv) == 1:
+        raise ValueError(
+            "qkv has elements that overlap in memory (expanded or stride-0 view, strides "
+            f"{list(qkv.stride())}); it is written in place"
+        )
     _o._require_tensor("q_weight", q_weight)
     _o._require_tensor("k_weight", k_weight)
     _o._require_tensor("cos_sin", cos_sin)
     _o._require_offset(rotary_offset)
-    _check_eps(eps)
+    _check_float("eps", eps)
+    _check_float("weight_offset", weight_offset)
     mrope_section = _o._sections(mrope_section)
     pos = _token_positions(positions, mrope_section)
     _o._pre_check(positions, cos_sin)
@@ -393,7 +407,8 @@ def apply_qk_norm_rotary(
     for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos_sin", cos_sin)):
         _o._require_tensor(name, t)
     _o._require_offset(rotary_offset)
-    _check_eps(eps)
+    _check_float("eps", eps)
+    _check_float("weight_offset", weight_offset)
     mrope_section = _o._sections(mrope_section)
     pos = _token_positions(positions, mrope_section)
     _o._pre_check(positions, cos_sin)
@@ -449,8 +464,12 @@ def _rotary_qk_cache_fake(
         ("key_cache", key_cache),
         ("value_cache", value_cache),
         ("slot_mapping", slot_mapping),
+        ("k_scale", k_scale),
+        ("v_scale", v_scale),
+        ("q_out", q_out),
+        ("q_scale", q_scale),
     ):
-        if t.device != q.device:
+        if t is not None and t.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
     if layout not in ("NHD", "HND"):
         raise ValueError(f"layout must be 'NHD' or 'HND', got '{layout}'")

@@ -149,6 +149,8 @@ def varlen_positions(
     ):
         last = _check_values(cu, cp_size, total_tokens)
     if total_tokens is None:
+        if device.type == "meta":
+            raise ValueError("total_tokens must be given for cu_seqlens on the meta device (no values)")
         if last is None:
             last = int(cu[-1])  # the one host synchronisation (on CUDA) of a call without total_tokens
         total_tokens = max(last // cp_size, 0)

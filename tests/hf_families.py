@@ -26,7 +26,9 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rope_ext.compat import HFRotaryAdapter, patch_transformers, unpatch_transformers
-from rope_ext.compat import hf as compat_hf
+from rope_ext.compat.hf.adapter import _rope_layer_types
+from rope_ext.compat.hf.patch import _make_patched
+from rope_ext.compat.hf.probes import _signature
 from rope_ext.hf_config import parse_hf_config
 
 VOCAB = 128
@@ -498,7 +500,7 @@ def _describe_partial(config) -> str:
 
 
 def _first_layer_type(config) -> str | None:
-    types_ = compat_hf._rope_layer_types(config)
+    types_ = _rope_layer_types(config)
     return types_[0] if types_ else None
 
 
@@ -619,7 +621,7 @@ def _wrong_rotation_change(model, patched, call, ref_logits) -> float:
             setattr(
                 importlib.import_module(module),
                 name,
-                compat_hf._make_patched(original, wrong, compat_hf._signature(original)),
+                _make_patched(original, wrong, _signature(original)),
             )
         with torch.no_grad():
             logits = forward(model, call)

@@ -229,15 +229,15 @@ def test_from_hf_config_nested_per_layer_type_and_text_config():
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     }
-    full = RopeCache.from_hf_config(config, layer_type="full_attention")
-    sliding = RopeCache.from_hf_config(config, layer_type="sliding_attention")
+    full = RopeCache.from_hf_config(config, layer_type="full_attention", max_positions=4)
+    sliding = RopeCache.from_hf_config(config, layer_type="sliding_attention", max_positions=4)
     assert full.rope_type == "linear" and full.base == 1e6 and sliding.base == 1e4
     with pytest.raises(ValueError, match="layer_type"):
         RopeCache.from_hf_config(config)
     with pytest.raises(ValueError, match="chunked"):
         RopeCache.from_hf_config(config, layer_type="chunked")
     outer = {"text_config": config, "vision_config": {}}
-    assert RopeCache.from_hf_config(outer, layer_type="full_attention").base == 1e6
+    assert RopeCache.from_hf_config(outer, layer_type="full_attention", max_positions=4).base == 1e6
 
 
 def test_from_hf_config_gemma3_object():
@@ -254,8 +254,8 @@ def test_from_hf_config_gemma3_object():
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     )
-    assert RopeCache.from_hf_config(cfg, layer_type="full_attention").rope_type == "linear"
-    assert RopeCache.from_hf_config(cfg, layer_type="sliding_attention").base == 1e4
+    assert RopeCache.from_hf_config(cfg, layer_type="full_attention", max_positions=4).rope_type == "linear"
+    assert RopeCache.from_hf_config(cfg, layer_type="sliding_attention", max_positions=4).base == 1e4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,13 +45,13 @@ def _hf_cos_sin(batch: int, seq: int, head_dim: int, dtype: torch.dtype, theta: 
 def op_calls(monkeypatch):
     """Counts calls of rope_ext's q/k op made by the adapters."""
     calls = []
-    real = compat.hf.apply_rotary_qk
+    real = compat.hf.rotation.apply_rotary_qk
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compat.hf, "apply_rotary_qk", counted)
+    monkeypatch.setattr(compat.hf.rotation, "apply_rotary_qk", counted)  # the module that calls it
     return calls
 
 

@@ -98,11 +98,11 @@ class _Seen:
     """Records what reaches rope_ext's q/k op from the patched model (the tensors' types and shapes)."""
 
     def __init__(self):
-        from rope_ext.compat import hf
+        from rope_ext.compat.hf import rotation  # the module whose _rotate calls the op
 
         self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        self._hf, self._real = hf, hf.apply_rotary_qk
-        hf.apply_rotary_qk = self
+        self._hf, self._real = rotation, rotation.apply_rotary_qk
+        rotation.apply_rotary_qk = self
 
     def __call__(self, q, k, *args, **kwargs):
         self.calls.append((type(q).__name__, tuple(q.shape), tuple(k.shape)))

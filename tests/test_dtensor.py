@@ -305,6 +305,63 @@ def test_rules_are_registered_on_import():
             assert getattr(packet, overload) in strategies, (op, overload)
 
 
+# A fresh process: a DTensor call with q / k sharded on heads on a one-rank gloo group. The rules come from
+# the import hook when rope_ext is imported first (it must not import torch.distributed.tensor itself),
+# from rope_ext's import when torch.distributed.tensor is already loaded.
+_FRESH_DTENSOR_CALL = """
+import sys
+
+import torch
+import torch.distributed as dist
+
+if sys.argv[1] == "rope_ext_first":
+    import rope_ext
+
+    assert "torch.distributed.tensor" not in sys.modules, "import rope_ext imported torch.distributed.tensor"
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+else:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import rope_ext
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 8, 4, 32, generator=g), torch.randn(2, 8, 2, 32, generator=g)
+    pos = torch.randint(0, 64, (2, 8, 1), generator=g)
+    cs = rope_ext.RopeCache(32, max_positions=64).cos_sin
+    want_q, want_k = rope_ext.apply_rotary_qk(q, k, pos, cs)
+    dq, dk = distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)])
+    dp, dc = distribute_tensor(pos, mesh, [Replicate()]), distribute_tensor(cs, mesh, [Replicate()])
+    oq, ok = rope_ext.apply_rotary_qk(dq, dk, dp, dc)
+    assert tuple(oq.placements) == (Shard(2),), oq.placements
+    assert torch.equal(oq.full_tensor(), want_q) and torch.equal(ok.full_tensor(), want_k)
+finally:
+    dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("order", ["rope_ext_first", "dtensor_first"])
+def test_dtensor_call_in_a_fresh_process(order):
+    """The sharding rules are in place for the first DTensor call whichever of rope_ext and
+    torch.distributed.tensor is imported first (without them the call raises: no sharding strategy)."""
+    import subprocess
+    import sys
+
+    from _helpers import child_env  # here, not at the top: the ranks' processes import this file
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_DTENSOR_CALL, order],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_no_communication_code_of_our_own():
     """rope_ext supplies sharding rules and positions; every collective is torch.distributed's own choice."""
     import re

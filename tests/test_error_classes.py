@@ -66,6 +66,7 @@ def _norm(q_weight, bare=False):
 X = torch.randn(T, HQ, D)
 POS = torch.arange(T)[:, None]
 E4M3 = torch.float8_e4m3fn
+QKV_INT = torch.zeros(T, 4 * D, dtype=torch.int32)
 # message fragment: (public call, bare op call)
 CASES = {
     "x must be a floating tensor": (
@@ -121,6 +122,12 @@ CASES = {
     "q_weight must be a floating tensor": (
         _norm(torch.ones(D, dtype=torch.int32)),
         _norm(torch.ones(D, dtype=torch.int32), bare=True),
+    ),
+    "qkv must be a floating tensor": (
+        lambda: rope_ext.apply_qk_norm_rotary_(QKV_INT, 2, 1, 1, torch.ones(D), torch.ones(D), POS[:, 0], CS),
+        lambda: torch.ops.rope_ext.qk_norm_rotary_packed_(
+            QKV_INT, 2, 1, 1, torch.ones(D), torch.ones(D), POS[:, 0], CS
+        ),
     ),
 }
 # Checks no Python call reaches: a non-optional Tensor argument of a schema cannot be None.

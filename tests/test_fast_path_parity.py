@@ -110,7 +110,7 @@ def _check_parity(monkeypatch, module, general_name, cases, run):
             assert calls[0] == (general or not fast), (labels, "general" if general else "fast")
         fast_cases += fast
         assert _same(*outcomes), (labels, *map(_described, outcomes))
-    assert fast_cases > len(cases) // 4  # most comparisons are between two different paths
+    assert fast_cases > len(cases) // 5  # a good share of the comparisons are between two different paths
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):
@@ -214,7 +214,7 @@ CACHE_CHOICE = {
     "rotary_offset": ROTARY_OFFSET[:2],
 }
 CACHE_TYPES = {
-    "not_tensor": [*NOT_TENSOR, V("key_cache", "key_cache")],
+    "not_tensor": [*NOT_TENSOR, V("key_cache", "key_cache", fast=False)],
     "grad_mode": [V("no_grad", False), V("enabled", True)],
     "q_out": CACHE_OPTIONS["q_out"],
 }
@@ -280,8 +280,8 @@ NORM_OPTIONS = {
     ],
     "interleaved": INTERLEAVED,
     "weight_offset": [
-        V("0.0", 0.0), V("1.0", 1.0), V("int", 1), V("None", None), V("bool", True), V("str", "1.5"),
-        V("junk", "x"),
+        V("0.0", 0.0), V("1.0", 1.0), V("int", 1), V("None", None, fast=False), V("bool", True, fast=False),
+        V("str", "1.5", fast=False), V("junk", "x", fast=False),
     ],
     "rotary_offset": ROTARY_OFFSET,
 }  # fmt: skip

@@ -26,7 +26,9 @@ from rope_ext.compat import (
     patch_transformers,
     supported_model_types,
 )
-from rope_ext.compat import hf as compat_hf
+from rope_ext.compat.hf import patch as hf_patch
+from rope_ext.compat.hf.probes import _signature
+from rope_ext.compat.hf.rotation import _Rotation
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _RESULTS: dict[str, families.Result] = {}
@@ -128,9 +130,8 @@ def test_llama_copy_with_interleaved_rotate_half_is_refused(module_copy):
     # What a patch by model type alone would have done: Llama's rotation in place of the copy's.
     original = copy.apply_rotary_pos_emb
     try:
-        copy.apply_rotary_pos_emb = compat_hf._make_patched(
-            original, compat_hf._Rotation("half", "cat"), compat_hf._signature(original)
-        )
+        rot = _Rotation("half", "cat")
+        copy.apply_rotary_pos_emb = hf_patch._make_patched(original, rot, _signature(original))
         with torch.no_grad():
             wrong = families.forward(model, call)
     finally:
@@ -187,9 +188,7 @@ def test_patched_function_takes_the_original_signature():
     positional parameter in transformers 5), uses the op for them, and runs the original for anything the
     op does not compute (cos requiring grad)."""
     original = modeling_llama.apply_rotary_pos_emb
-    patched = compat_hf._make_patched(
-        original, compat_hf._Rotation("half", "cat"), compat_hf._signature(original)
-    )
+    patched = hf_patch._make_patched(original, _Rotation("half", "cat"), _signature(original))
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 5, 3, 32, generator=g), torch.randn(2, 5, 1, 32, generator=g)
     c = torch.randn(2, 5, 16, generator=g)
@@ -218,8 +217,8 @@ def test_supported_model_types_is_computed(monkeypatch):
     for model_type, fam in families.FAMILIES.items():
         assert (model_type in found) == (families.missing(fam) is None), model_type
     # a model type the installed transformers lacks is left out, not claimed
-    monkeypatch.setattr(compat_hf, "SUPPORTED_MODEL_TYPES", ("no_such_model", "llama"))
-    assert compat_hf.supported_model_types.__wrapped__() == ("llama",)
+    monkeypatch.setattr(hf_patch, "SUPPORTED_MODEL_TYPES", ("no_such_model", "llama"))
+    assert hf_patch.supported_model_types.__wrapped__() == ("llama",)
 
 
 # ---------------------------------------------------------------------------------------------

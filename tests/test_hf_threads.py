@@ -23,8 +23,8 @@ import torch
 from hf_families import reinit
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rope_ext.compat import hf as compat_hf
 from rope_ext.compat import patch_transformers, unpatch_transformers
+from rope_ext.compat.hf import qk_norm as hf_qk_norm
 
 CONFIG = dict(
     vocab_size=64,
@@ -107,8 +107,8 @@ def test_two_threads_give_single_threaded_logits(models, shared, monkeypatch):
     calls = [torch.randint(0, CONFIG["vocab_size"], (1, SEQ), generator=g) for _ in range(N_CALLS)]
     per_thread = [models[0], models[0] if shared else models[1]]
     fused = []
-    real = compat_hf.apply_qk_norm_rotary
-    monkeypatch.setattr(compat_hf, "apply_qk_norm_rotary", lambda *a, **k: fused.append(1) or real(*a, **k))
+    real = hf_qk_norm.apply_qk_norm_rotary
+    monkeypatch.setattr(hf_qk_norm, "apply_qk_norm_rotary", lambda *a, **k: fused.append(1) or real(*a, **k))
     want = {id(m): [_logits(m, ids) for ids in calls] for m in models}
     # the fused QK-norm path runs: one call per layer and forward
     assert len(fused) == len(models) * N_CALLS * CONFIG["num_hidden_layers"]

@@ -99,7 +99,7 @@ def test_from_hf_config():
     )
     m = RotaryEmbedding.from_hf_config(cfg, max_positions=64)
     assert m.head_dim == 128 and m.rotary_dim == 128 and m.cache.capacity == 64
-    assert torch.equal(m.cache.inv_freq, RopeCache.from_hf_config(cfg).inv_freq)
+    assert torch.equal(m.cache.inv_freq, RopeCache.from_hf_config(cfg, max_positions=64).inv_freq)
     partial = RotaryEmbedding.from_hf_config({"head_dim": 80, "partial_rotary_factor": 0.4})
     assert (partial.head_dim, partial.rotary_dim) == (80, 32)
 

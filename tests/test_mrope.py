@@ -235,7 +235,7 @@ def test_bad_mrope_arguments_are_rejected_before_any_write():
 @pytest.mark.parametrize("model,sections,interleaved_sections", HF_MODELS)
 def test_from_hf_config_reads_mrope(model, sections, interleaved_sections):
     rot = _hf_rotary(model, sections)
-    cache = rope_ext.RopeCache.from_hf_config(rot.config)
+    cache = rope_ext.RopeCache.from_hf_config(rot.config, max_positions=512)
     assert cache.mrope_section == tuple(sections) and cache.mrope_interleaved == interleaved_sections
     m = rope_ext.RotaryEmbedding.from_hf_config(rot.config, max_positions=512)
     assert m.mrope_section == tuple(sections) and m.mrope_interleaved == interleaved_sections

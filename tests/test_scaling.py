@@ -374,21 +374,21 @@ def test_yarn_worked_values_truncate_false_and_attention_factors():
     lo, hi = yarn_correction_range(64, 1.5e5, 4096, truncate=False)
     assert lo == pytest.approx(8.09, abs=0.005) and hi == pytest.approx(17.40, abs=0.005)
     # Qwen2.5 x4: 0.1 ln 4 + 1
-    assert RopeCache.from_hf_config(hf_config("qwen2.5_7b_yarn")).attention_factor == pytest.approx(
-        1.1386, abs=1e-4
-    )
+    assert RopeCache.from_hf_config(
+        hf_config("qwen2.5_7b_yarn"), max_positions=4
+    ).attention_factor == pytest.approx(1.1386, abs=1e-4)
     # DeepSeek-V3's magnitude correction g(40, 1) = 1.369. With mscale == mscale_all_dim (its config) the
     # factor on cos/sin is g/g = 1, as in transformers (DeepSeek applies g**2 to the softmax scale instead);
     # without the mscale keys, cos/sin carry g(40, 1) itself.
     assert yarn_get_mscale(40.0, 1.0) == pytest.approx(1.369, abs=5e-4)
-    assert RopeCache.from_hf_config(hf_config("deepseek_v3")).attention_factor == 1.0
+    assert RopeCache.from_hf_config(hf_config("deepseek_v3"), max_positions=4).attention_factor == 1.0
     s = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}
     assert RopeCache(64, 1e4, scaling=s).attention_factor == pytest.approx(1.369, abs=5e-4)
 
 
 @pytest.mark.parametrize("name,split", [("llama3.1_8b", (29, 6, 29)), ("llama3.2_1b", (15, 3, 14))])
 def test_llama3_frequency_split(name, split):
-    cache = RopeCache.from_hf_config(hf_config(name))
+    cache = RopeCache.from_hf_config(hf_config(name), max_positions=4)
     head_dim, d, theta, params, _ = MODELS[name]
     plain = rope_ext.reference.inv_freq(d, theta)
     inv = cache.inv_freq
@@ -398,7 +398,7 @@ def test_llama3_frequency_split(name, split):
 
 
 def test_llama4_low_equals_high_has_no_nan():
-    cache = RopeCache.from_hf_config(hf_config("llama4_low_eq_high"))
+    cache = RopeCache.from_hf_config(hf_config("llama4_low_eq_high"), max_positions=2048)
     assert torch.isfinite(cache.inv_freq).all() and torch.isfinite(cache.cos_sin).all()
     plain = rope_ext.reference.inv_freq(128, 5e5)
     wavelen = 2 * math.pi / plain
@@ -422,7 +422,7 @@ def test_real_config_classes():
         },
     )
     hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](llama31)
-    cache = RopeCache.from_hf_config(llama31)
+    cache = RopeCache.from_hf_config(llama31, max_positions=4)
     assert ((cache.inv_freq - hf_inv.double()).abs() / cache.inv_freq <= inv_rel_tol(128, 5e5)).all()
     legacy = {
         "hidden_size": 4096,
@@ -437,7 +437,7 @@ def test_real_config_classes():
             "original_max_position_embeddings": 8192,
         },
     }
-    assert torch.equal(RopeCache.from_hf_config(legacy).inv_freq, cache.inv_freq)
+    assert torch.equal(RopeCache.from_hf_config(legacy, max_positions=4).inv_freq, cache.inv_freq)
 
     phi3 = Phi3Config(
         hidden_size=3072,
@@ -465,3 +465,93 @@ def test_real_config_classes():
     }
     su = RopeCache.from_hf_config(legacy_su, max_positions=4097)
     assert torch.equal(su.inv_freq, cache.inv_freq) and su.attention_factor == cache.attention_factor
+
+
+# ---------------------------------------------------------------------------------------------
+# Table length of from_hf_config: the config's max_position_embeddings, started as transformers starts.
+
+LLAMA31_PARAMS = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _rotate_at(cos_sin: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_qk`` of one token at ``position``, and the float64 reference of its q."""
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 2, cos_sin.shape[1], generator=g), torch.randn(1, 1, cos_sin.shape[1], generator=g)
+    pos = torch.tensor([[position]])
+    out, _ = rope_ext.apply_rotary_qk(q, k, pos, cos_sin)
+    return out, rope_ext.reference.rotary_matrix(q, pos, cos_sin)
+
+
+def test_from_hf_config_default_length_is_max_position_embeddings():
+    """A Llama-3.1 config (131072 positions): position 131071 works at once (the table used to have 2048
+    rows: ``IndexError ... got 8191``), 131072 raises the ops' IndexError; ``max_positions=`` overrides."""
+    mpe = 131072
+    cfg = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=mpe, rope_parameters=LLAMA31_PARAMS
+    )
+    cache = RopeCache.from_hf_config(cfg)
+    assert cache.capacity == mpe and cache.seq_len == mpe
+    small = RopeCache.from_hf_config(cfg, max_positions=64)
+    assert small.capacity == 64 and torch.equal(small.cos_sin, cache.cos_sin[:64])
+    out, ref = _rotate_at(cache.cos_sin, mpe - 1)
+    assert (out.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    assert torch.equal(
+        cache.cos_sin[mpe - 1], cos_sin_rows(torch.tensor([mpe - 1]), cache.inv_freq)[0].float()
+    )
+    with pytest.raises(IndexError, match=f"got {mpe}"):
+        _rotate_at(cache.cos_sin, mpe)
+    with pytest.raises(IndexError, match="got 64"):
+        _rotate_at(small.cos_sin, 64)
+
+    m = rope_ext.RotaryEmbedding.from_hf_config(cfg)
+    assert m.cache.capacity == mpe and torch.equal(m.cos_sin(), cache.cos_sin)
+    q = torch.randn(1, 1, 2, 64)
+    want = rope_ext.apply_rotary(q, torch.tensor([[[mpe - 1]]]), cache.cos_sin)
+    assert torch.equal(m(q, q, torch.tensor([[mpe - 1]]))[0], want)
+    with pytest.raises(IndexError, match=f"got {mpe}"):
+        m(q, q, torch.tensor([[mpe]]))
+    assert rope_ext.RotaryEmbedding.from_hf_config(cfg, max_positions=64).cache.capacity == 64
+
+
+def test_from_hf_config_without_max_position_embeddings_keeps_2048():
+    cache = RopeCache.from_hf_config({"head_dim": 64, "rope_theta": 1e4})
+    assert cache.capacity == cache.seq_len == 2048
+    assert rope_ext.RotaryEmbedding.from_hf_config({"head_dim": 64}).cache.capacity == 2048
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        RopeCache.from_hf_config({"head_dim": 64, "max_position_embeddings": 0})
+
+
+def test_from_hf_config_length_dependent_variants_start_like_transformers():
+    """``longrope``: all 131072 rows, short factors (transformers' module starts with them) until a longer
+    sequence is asked for; ``dynamic``: ``max_position_embeddings`` rows at the unscaled base."""
+    config = hf_config("phi3_mini_128k")
+    cache = RopeCache.from_hf_config(config)
+    assert (cache.capacity, cache.seq_len) == (131072, 4096)
+    short = RopeCache.from_hf_config(config, max_positions=4096)
+    assert torch.equal(cache.inv_freq, short.inv_freq) and torch.equal(cache.cos_sin[:4096], short.cos_sin)
+    hf_short, _ = hf_inv_freq_and_attention(config, None)  # what transformers' module starts with
+    assert ((cache.inv_freq - hf_short.double()).abs() / cache.inv_freq <= inv_rel_tol(96, 1e4)).all()
+    out, ref = _rotate_at(cache.cos_sin, 131071)
+    assert (out.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    with pytest.raises(IndexError, match="got 131072"):
+        _rotate_at(cache.cos_sin, 131072)
+    m = rope_ext.RotaryEmbedding.from_hf_config(config)
+    assert (m.cache.capacity, m.cache.seq_len) == (131072, 4096) and torch.equal(m.cos_sin(), cache.cos_sin)
+    # an explicit length is the constructor's: past the original length, the long factors everywhere
+    assert RopeCache.from_hf_config(config, max_positions=4097).seq_len == 4097
+
+    config = hf_config("dynamic_x2")
+    cache = RopeCache.from_hf_config(config)
+    assert (cache.capacity, cache.seq_len) == (4096, 4096)
+    hf_inv, _ = hf_inv_freq_and_attention(config, None)
+    assert ((cache.inv_freq - hf_inv.double()).abs() / cache.inv_freq <= inv_rel_tol(128, 1e4)).all()
+    assert torch.equal(cache.inv_freq, rope_ext.reference.inv_freq(128, 1e4))
+    with pytest.raises(IndexError, match="got 4096"):
+        _rotate_at(cache.cos_sin, 4096)

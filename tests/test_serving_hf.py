@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from rope_ext.compat import hf as compat_hf
 from rope_ext.compat import patch_transformers, unpatch_transformers
+from rope_ext.compat.hf import qk_norm as hf_qk_norm
 
 SMALL = dict(
     vocab_size=128,
@@ -58,11 +58,11 @@ def test_fused_qk_norm_matches_unpatched(kind, monkeypatch):
     keys = list(model.state_dict())
     patch_transformers(model)
     layers = [m for m in model.modules() if hasattr(m, "q_norm")]
-    assert all(isinstance(m.q_norm, compat_hf._DeferredNorm) for m in layers)
+    assert all(isinstance(m.q_norm, hf_qk_norm._DeferredNorm) for m in layers)
     assert list(model.state_dict()) == keys
     calls = []
-    fused = compat_hf.apply_qk_norm_rotary
-    monkeypatch.setattr(compat_hf, "apply_qk_norm_rotary", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = hf_qk_norm.apply_qk_norm_rotary
+    monkeypatch.setattr(hf_qk_norm, "apply_qk_norm_rotary", lambda *a, **k: calls.append(1) or fused(*a, **k))
     logits, grads = _run(model, ids)
     assert len(calls) == len(layers)  # one fused call per attention layer
     # float32: the fused norm rounds once where HF rounds after the norm and after the weight (1e-6 level)
@@ -85,7 +85,7 @@ def test_fused_qk_norm_matches_unpatched(kind, monkeypatch):
     assert max(_rel(grads_c[n], ref_grads[n]) for n in grads_c) <= 1e-4
     torch._dynamo.reset()
     unpatch_transformers(model)
-    assert not any(isinstance(m.q_norm, compat_hf._DeferredNorm) for m in layers)
+    assert not any(isinstance(m.q_norm, hf_qk_norm._DeferredNorm) for m in layers)
     again, _ = _run(model, ids)
     assert torch.equal(again, ref_logits)
 
@@ -94,7 +94,7 @@ def test_fuse_qk_norm_off_and_norm_outside_attention():
     model = _model("qwen3")
     patch_transformers(model, fuse_qk_norm=False)
     attn = model.model.layers[0].self_attn
-    assert not isinstance(attn.q_norm, compat_hf._DeferredNorm)
+    assert not isinstance(attn.q_norm, hf_qk_norm._DeferredNorm)
     unpatch_transformers(model)
     patch_transformers(model)
     # called outside its attention's forward, a deferred norm is the original norm

@@ -15,7 +15,6 @@
 namespace rope_ext {
 
 using torch::headeronly::ScalarType;
-using ValueError = std::invalid_argument;
 
 std::string shape_str(IntRef s) {
   std::ostringstream os;
@@ -360,9 +359,9 @@ Tensor empty_output(const Tensor& x) {
   return out;
 }
 
-Tensor rotary(const Tensor& x, const Tensor& positions, const Tensor& cos_sin, bool interleaved,
-              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
-              bool mrope_interleaved, const Backend& backend) {
+Tensor rotary(const Backend& backend, const Tensor& x, const Tensor& positions,
+              const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
+              const Sections& mrope_section, bool mrope_interleaved) {
   const Arg xa(x);
   check_input(xa, "x");
   Tensor out = empty_output(x);
@@ -372,10 +371,10 @@ Tensor rotary(const Tensor& x, const Tensor& positions, const Tensor& cos_sin, b
   return out;
 }
 
-std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Tensor& positions,
-                                     const Tensor& cos_sin, bool interleaved, bool inverse,
-                                     int64_t rotary_offset, const Sections& mrope_section,
-                                     bool mrope_interleaved, const Backend& backend) {
+std::tuple<Tensor, Tensor> rotary_qk(const Backend& backend, const Tensor& q, const Tensor& k,
+                                     const Tensor& positions, const Tensor& cos_sin,
+                                     bool interleaved, bool inverse, int64_t rotary_offset,
+                                     const Sections& mrope_section, bool mrope_interleaved) {
   const Arg qa(q), ka(k);
   check_input(qa, "q");
   check_input(ka, "k");
@@ -387,9 +386,9 @@ std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Ten
   return {q_out, k_out};
 }
 
-void rotary_qk_(const Tensor& q, const std::optional<Tensor>& k, const Tensor& positions,
-                const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
-                const Sections& mrope_section, bool mrope_interleaved, const Backend& backend) {
+void rotary_qk_(const Backend& backend, const Tensor& q, const std::optional<Tensor>& k,
+                const Tensor& positions, const Tensor& cos_sin, bool interleaved, bool inverse,
+                int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
   const Arg qa(q);
   std::optional<Arg> ka;
   if (k.has_value() && k->defined()) ka.emplace(*k);

@@ -1,59 +1,20 @@
 // Binding layer shared by every backend, on the LibTorch stable ABI
-// (torch/csrc/stable, header-only torch/headeronly): argument checks with
-// user-facing messages, kernel parameters from tensors, and the op bodies:
-// binding.cpp (the rotary ops), serving_binding.cpp (the serving ops),
-// layout.h (each tensor argument read once, overlap checks of what is
-// written). A backend only supplies how to run the kernel.
-//
-// Errors are standard exceptions, which reach Python as: std::invalid_argument
-// -> ValueError, std::out_of_range -> IndexError. A wrong type or dtype throws
-// TypeError below (an std::invalid_argument, so ValueError from the bare op,
-// its message tagged); the Python API re-raises those as TypeError.
+// (torch/csrc/stable, header-only torch/headeronly): kernel parameters from
+// tensors and the op bodies: binding.cpp (the rotary ops), serving_binding.cpp
+// (the serving ops). The checks' vocabulary is checks.h; layout.h reads each
+// tensor argument once and checks overlaps of what is written. A backend only
+// supplies how to run the kernel.
 #pragma once
 
 #include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/core/ScalarType.h>
 
-#include <cstdint>
-#include <optional>
-#include <sstream>
-#include <stdexcept>
-#include <string>
 #include <tuple>
-#include <vector>
+#include <type_traits>
 
-#include "../rope/params.h"
+#include "checks.h"
+#include "layout.h"
 
 namespace rope_ext {
-
-using torch::stable::Tensor;
-using Sections = std::optional<std::vector<int64_t>>;
-using IntRef = torch::headeronly::IntHeaderOnlyArrayRef;
-class Arg;  // layout.h
-
-// A wrong type or dtype. Its message starts with kTypeErrorTag, then the
-// argument's name; rope_ext/ops.py re-raises a ValueError whose message starts
-// with the tag as TypeError, without the tag.
-inline constexpr const char* kTypeErrorTag = "[type] ";
-struct TypeError : std::invalid_argument {
-  explicit TypeError(const std::string& message) : std::invalid_argument(kTypeErrorTag + message) {}
-};
-
-// The message of the parts streamed in order.
-template <class... Args>
-std::string str(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
-
-// Throws E(str(message parts...)) unless cond; the message is built only then.
-#define ROPE_CHECK(E, cond, ...)             \
-  do {                                       \
-    if (!(cond)) [[unlikely]]                \
-      throw E(::rope_ext::str(__VA_ARGS__)); \
-  } while (0)
 
 struct Backend {
   // Raise if a position is outside [0, cos_sin.size(0)); null when the
@@ -69,164 +30,112 @@ struct Backend {
 };
 
 // rope_ext::rotary
-Tensor rotary(const Tensor& x, const Tensor& positions, const Tensor& cos_sin, bool interleaved,
-              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
-              bool mrope_interleaved, const Backend& backend);
+Tensor rotary(const Backend& backend, const Tensor& x, const Tensor& positions,
+              const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
+              const Sections& mrope_section, bool mrope_interleaved);
 
 // rope_ext::rotary_qk
-std::tuple<Tensor, Tensor> rotary_qk(const Tensor& q, const Tensor& k, const Tensor& positions,
-                                     const Tensor& cos_sin, bool interleaved, bool inverse,
-                                     int64_t rotary_offset, const Sections& mrope_section,
-                                     bool mrope_interleaved, const Backend& backend);
+std::tuple<Tensor, Tensor> rotary_qk(const Backend& backend, const Tensor& q, const Tensor& k,
+                                     const Tensor& positions, const Tensor& cos_sin,
+                                     bool interleaved, bool inverse, int64_t rotary_offset,
+                                     const Sections& mrope_section, bool mrope_interleaved);
 
 // rope_ext::rotary_qk_ (in place)
-void rotary_qk_(const Tensor& q, const std::optional<Tensor>& k, const Tensor& positions,
-                const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
-                const Sections& mrope_section, bool mrope_interleaved, const Backend& backend);
-
-// The three ops on one backend, as kernels to register (TORCH_BOX(&rotary_on<kCpu>)).
-template <const Backend& B>
-Tensor rotary_on(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved, bool inverse,
-                 int64_t rotary_offset, Sections mrope_section, bool mrope_interleaved) {
-  return rotary(x, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-                mrope_interleaved, B);
-}
-
-template <const Backend& B>
-std::tuple<Tensor, Tensor> rotary_qk_on(Tensor q, Tensor k, Tensor positions, Tensor cos_sin,
-                                        bool interleaved, bool inverse, int64_t rotary_offset,
-                                        Sections mrope_section, bool mrope_interleaved) {
-  return rotary_qk(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-                   mrope_interleaved, B);
-}
-
-template <const Backend& B>
-void rotary_qk_inplace_on(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin,
-                          bool interleaved, bool inverse, int64_t rotary_offset,
-                          Sections mrope_section, bool mrope_interleaved) {
-  rotary_qk_(q, k, positions, cos_sin, interleaved, inverse, rotary_offset, mrope_section,
-             mrope_interleaved, B);
-}
+void rotary_qk_(const Backend& backend, const Tensor& q, const std::optional<Tensor>& k,
+                const Tensor& positions, const Tensor& cos_sin, bool interleaved, bool inverse,
+                int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
 
 // rope_ext::rotary_qk_cache_ (RoPE + KV-cache write)
-void rotary_qk_cache_(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
-                      const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
-                      const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
-                      const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
-                      const std::optional<Tensor>& q_scale, bool interleaved,
-                      const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved,
-                      const Backend& backend);
+void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& positions, const Tensor& cos_sin, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                      const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
+                      bool interleaved, const std::string& layout, int64_t rotary_offset,
+                      const Sections& mrope_section, bool mrope_interleaved);
 
 // rope_ext::qk_norm_rotary_ (in place) and rope_ext::qk_norm_rotary
-void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
-                     const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
-                     double eps, bool interleaved, double weight_offset, int64_t rotary_offset,
-                     const Sections& mrope_section, bool mrope_interleaved, const Backend& backend);
-std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, const Tensor& q_weight,
-                                          const Tensor& k_weight, const Tensor& positions,
-                                          const Tensor& cos_sin, double eps, bool interleaved,
-                                          double weight_offset, int64_t rotary_offset,
-                                          const Sections& mrope_section, bool mrope_interleaved,
-                                          const Backend& backend);
+void qk_norm_rotary_(const Backend& backend, const Tensor& q, const Tensor& k,
+                     const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions,
+                     const Tensor& cos_sin, double eps, bool interleaved, double weight_offset,
+                     int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
+std::tuple<Tensor, Tensor> qk_norm_rotary(const Backend& backend, const Tensor& q, const Tensor& k,
+                                          const Tensor& q_weight, const Tensor& k_weight,
+                                          const Tensor& positions, const Tensor& cos_sin,
+                                          double eps, bool interleaved, double weight_offset,
+                                          int64_t rotary_offset, const Sections& mrope_section,
+                                          bool mrope_interleaved);
 
 // rope_ext::qk_norm_rotary_packed_: qk_norm_rotary_ on the q and k columns of a packed qkv.
-void qk_norm_rotary_packed_(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
-                            int64_t num_heads_v, const Tensor& q_weight, const Tensor& k_weight,
-                            const Tensor& positions, const Tensor& cos_sin, double eps,
-                            bool interleaved, double weight_offset, int64_t rotary_offset,
-                            const Sections& mrope_section, bool mrope_interleaved,
-                            const Backend& backend);
-
-template <const Backend& B>
-void qk_norm_rotary_packed_on(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
-                              int64_t num_heads_v, Tensor q_weight, Tensor k_weight,
-                              Tensor positions, Tensor cos_sin, double eps, bool interleaved,
-                              double weight_offset, int64_t rotary_offset, Sections mrope_section,
-                              bool mrope_interleaved) {
-  qk_norm_rotary_packed_(qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions,
-                         cos_sin, eps, interleaved, weight_offset, rotary_offset, mrope_section,
-                         mrope_interleaved, B);
-}
-
-template <const Backend& B>
-void rotary_qk_cache_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
-                        Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
-                        std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
-                        std::optional<Tensor> q_out, std::optional<Tensor> q_scale,
-                        bool interleaved, std::string layout, int64_t rotary_offset,
-                        Sections mrope_section, bool mrope_interleaved) {
-  rotary_qk_cache_(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
-                   v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section,
-                   mrope_interleaved, B);
-}
-
-template <const Backend& B>
-void qk_norm_rotary_inplace_on(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight,
-                               Tensor positions, Tensor cos_sin, double eps, bool interleaved,
-                               double weight_offset, int64_t rotary_offset, Sections mrope_section,
-                               bool mrope_interleaved) {
-  qk_norm_rotary_(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved, weight_offset,
-                  rotary_offset, mrope_section, mrope_interleaved, B);
-}
-
-template <const Backend& B>
-std::tuple<Tensor, Tensor> qk_norm_rotary_on(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight,
-                                             Tensor positions, Tensor cos_sin, double eps,
-                                             bool interleaved, double weight_offset,
-                                             int64_t rotary_offset, Sections mrope_section,
-                                             bool mrope_interleaved) {
-  return qk_norm_rotary(q, k, q_weight, k_weight, positions, cos_sin, eps, interleaved,
-                        weight_offset, rotary_offset, mrope_section, mrope_interleaved, B);
-}
+void qk_norm_rotary_packed_(const Backend& backend, const Tensor& qkv, int64_t num_heads_q,
+                            int64_t num_heads_k, int64_t num_heads_v, const Tensor& q_weight,
+                            const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
+                            double eps, bool interleaved, double weight_offset,
+                            int64_t rotary_offset, const Sections& mrope_section,
+                            bool mrope_interleaved);
 
 // The QK norm's default eps, as the schemas give it (registration.cpp).
 constexpr double kDefaultNormEps = 1e-6;
 
-// The .plain overloads: the ops above with every option at its default.
-template <const Backend& B>
-void rotary_qk_plain_on(Tensor q, std::optional<Tensor> k, Tensor positions, Tensor cos_sin) {
-  rotary_qk_(q, k, positions, cos_sin, false, false, 0, std::nullopt, false, B);
+// The .plain and .scaled overloads: the ops above with every other option at
+// its default.
+inline void rotary_qk_plain(const Backend& b, const Tensor& q, const std::optional<Tensor>& k,
+                            const Tensor& positions, const Tensor& cos_sin) {
+  rotary_qk_(b, q, k, positions, cos_sin, false, false, 0, std::nullopt, false);
+}
+inline void rotary_qk_cache_scaled(const Backend& b, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
+                                   const Tensor& key_cache, const Tensor& value_cache,
+                                   const Tensor& slot_mapping, const Tensor& k_scale,
+                                   const Tensor& v_scale) {
+  rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
+                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false);
+}
+inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
+                                  const Tensor& key_cache, const Tensor& value_cache,
+                                  const Tensor& slot_mapping) {
+  rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
+                   std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0,
+                   std::nullopt, false);
+}
+inline void qk_norm_rotary_packed_plain(const Backend& b, const Tensor& qkv, int64_t num_heads_q,
+                                        int64_t num_heads_k, int64_t num_heads_v,
+                                        const Tensor& q_weight, const Tensor& k_weight,
+                                        const Tensor& positions, const Tensor& cos_sin) {
+  qk_norm_rotary_packed_(b, qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight,
+                         positions, cos_sin, kDefaultNormEps, false, 0.0, 0, std::nullopt, false);
 }
 
-template <const Backend& B>
-void rotary_qk_cache_plain_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
-                              Tensor key_cache, Tensor value_cache, Tensor slot_mapping) {
-  rotary_qk_cache_(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, std::nullopt,
-                   std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false,
-                   B);
-}
+// Op body F (its backend first) as a kernel of backend B: the other
+// parameters by value, as TORCH_BOX unboxes them.
+template <auto F, const Backend& B, class Signature = decltype(F)>
+struct Kernel;
+template <auto F, const Backend& B, class R, class... Args>
+struct Kernel<F, B, R (*)(const Backend&, Args...)> {
+  static R call(std::remove_cvref_t<Args>... args) { return F(B, args...); }
+};
 
-template <const Backend& B>
-void rotary_qk_cache_scaled_on(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin,
-                               Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
-                               Tensor k_scale, Tensor v_scale) {
-  rotary_qk_cache_(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
-                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false, B);
-}
-
-template <const Backend& B>
-void qk_norm_rotary_packed_plain_on(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
-                                    int64_t num_heads_v, Tensor q_weight, Tensor k_weight,
-                                    Tensor positions, Tensor cos_sin) {
-  qk_norm_rotary_packed_(qkv, num_heads_q, num_heads_k, num_heads_v, q_weight, k_weight, positions,
-                         cos_sin, kDefaultNormEps, false, 0.0, 0, std::nullopt, false, B);
+template <auto F, const Backend& B>
+void impl(torch::stable::detail::StableLibrary& m, const char* name) {
+  constexpr auto kernel = &Kernel<F, B>::call;
+  m.impl(name, TORCH_BOX(kernel));
 }
 
 // Registers every op's kernel of backend B (ops_cpu.cpp, ops_cuda.cu).
 template <const Backend& B>
 void impl_ops(torch::stable::detail::StableLibrary& m) {
-  m.impl("rotary", TORCH_BOX(&rotary_on<B>));
-  m.impl("rotary_qk", TORCH_BOX(&rotary_qk_on<B>));
-  m.impl("rotary_qk_", TORCH_BOX(&rotary_qk_inplace_on<B>));
-  m.impl("rotary_qk_cache_", TORCH_BOX(&rotary_qk_cache_on<B>));
-  m.impl("qk_norm_rotary_", TORCH_BOX(&qk_norm_rotary_inplace_on<B>));
-  m.impl("qk_norm_rotary", TORCH_BOX(&qk_norm_rotary_on<B>));
-  m.impl("qk_norm_rotary_packed_", TORCH_BOX(&qk_norm_rotary_packed_on<B>));
-  m.impl("rotary_qk_.plain", TORCH_BOX(&rotary_qk_plain_on<B>));
-  m.impl("rotary_qk_cache_.plain", TORCH_BOX(&rotary_qk_cache_plain_on<B>));
-  m.impl("rotary_qk_cache_.scaled", TORCH_BOX(&rotary_qk_cache_scaled_on<B>));
-  m.impl("qk_norm_rotary_packed_.plain", TORCH_BOX(&qk_norm_rotary_packed_plain_on<B>));
+  impl<&rotary, B>(m, "rotary");
+  impl<&rotary_qk, B>(m, "rotary_qk");
+  impl<&rotary_qk_, B>(m, "rotary_qk_");
+  impl<&rotary_qk_cache_, B>(m, "rotary_qk_cache_");
+  impl<&qk_norm_rotary_, B>(m, "qk_norm_rotary_");
+  impl<&qk_norm_rotary, B>(m, "qk_norm_rotary");
+  impl<&qk_norm_rotary_packed_, B>(m, "qk_norm_rotary_packed_");
+  impl<&rotary_qk_plain, B>(m, "rotary_qk_.plain");
+  impl<&rotary_qk_cache_plain, B>(m, "rotary_qk_cache_.plain");
+  impl<&rotary_qk_cache_scaled, B>(m, "rotary_qk_cache_.scaled");
+  impl<&qk_norm_rotary_packed_plain, B>(m, "qk_norm_rotary_packed_.plain");
 }
 
 // Checks the arguments of the serving ops and returns their kernel parameters
@@ -261,21 +170,6 @@ void check_writable(const Arg& q, const Arg* k);
 
 // First token whose position is outside the cache, or -1.
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value);
-
-// "[2, 3]"
-std::string shape_str(IntRef s);
-
-// "cpu", "cuda:0"
-std::string device_str(const Tensor& t);
-
-// t.scalar_type() from the shim's dtype code: Tensor::scalar_type() converts
-// it with one call into libtorch per candidate dtype (about 45 ns on a 2 GHz
-// Zen 1, more than the rest of a check). (Devices: Arg, layout.h.)
-torch::headeronly::ScalarType dtype_of(const Tensor& t);
-
-// float32, float64, float16 or bfloat16, and its kernel dtype.
-bool is_supported_float(torch::headeronly::ScalarType t);
-rope::DType to_dtype(torch::headeronly::ScalarType t);
 
 // x (named `name` in messages) is a floating tensor [..., head_dim] with a
 // contiguous last dim.

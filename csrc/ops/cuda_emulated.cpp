@@ -28,6 +28,8 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   const Arg qa(q), qoa(q_out);
   std::optional<Arg> ka, koa;
   if (kp) ka.emplace(*kp), koa.emplace(*kop);
+  check_input(qoa, "q_out");
+  if (koa) check_input(*koa, "k_out");
   const auto p =
       make_params(qa, qoa, ka ? &*ka : nullptr, koa ? &*koa : nullptr, positions, cos_sin,
                   interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved);
@@ -86,6 +88,8 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
   ROPE_CHECK(ValueError, k_out.sizes().equals(k.sizes()) && k_out.scalar_type() == k.scalar_type(),
              "k_out must match k in shape and dtype");
   const Arg qa(q), qoa(q_out), ka(k), koa(k_out);
+  check_input(qoa, "q_out");
+  check_input(koa, "k_out");
   const auto np =
       make_norm_params(qa, qoa, ka, koa, q_weight, k_weight, positions, cos_sin, eps, interleaved,
                        weight_offset, rotary_offset, mrope_section, mrope_interleaved);

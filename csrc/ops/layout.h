@@ -7,7 +7,7 @@
 #include <array>
 #include <cstdint>
 
-#include "binding.h"
+#include "checks.h"
 
 namespace rope_ext {
 

@@ -15,7 +15,6 @@
 namespace rope_ext {
 
 using torch::headeronly::ScalarType;
-using ValueError = std::invalid_argument;
 
 namespace {
 
@@ -199,7 +198,11 @@ rope::CacheParams make_cache_params(
   check_no_self_overlap(lkc, "key_cache");
   check_no_self_overlap(lvc, "value_cache");
   check_disjoint(lqo, q_target, lk, "k");
-  if (qo) check_disjoint(lqo, "q_out", lq, "q");
+  check_disjoint(lqo, q_target, lv, "v");
+  if (qo) {
+    check_disjoint(lqo, "q_out", lq, "q");
+    check_disjoint(lq, "q", lk, "k");  // q is read while k is rotated in place
+  }
   check_disjoint(lk, "k", lv, "v");
   check_disjoint(lkc, "key_cache", lvc, "value_cache");
   for (const auto& [c, cn] : {std::pair{&lkc, "key_cache"}, {&lvc, "value_cache"}})
@@ -219,14 +222,13 @@ int64_t first_bad_slot(const rope::CacheParams& cp, int64_t* value) {
   return -1;
 }
 
-void rotary_qk_cache_(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
-                      const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
-                      const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
-                      const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
-                      const std::optional<Tensor>& q_scale, bool interleaved,
-                      const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved,
-                      const Backend& backend) {
+void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& positions, const Tensor& cos_sin, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                      const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
+                      bool interleaved, const std::string& layout, int64_t rotary_offset,
+                      const Sections& mrope_section, bool mrope_interleaved) {
   const auto cp = make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache,
                                     slot_mapping, k_scale, v_scale, q_out, q_scale, interleaved,
                                     layout, rotary_offset, mrope_section, mrope_interleaved);
@@ -305,25 +307,27 @@ void norm_in_place(const Arg& q, const Arg& k, const Tensor& q_weight, const Ten
 
 }  // namespace
 
-void qk_norm_rotary_(const Tensor& q, const Tensor& k, const Tensor& q_weight,
-                     const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
-                     double eps, bool interleaved, double weight_offset, int64_t rotary_offset,
-                     const Sections& mrope_section, bool mrope_interleaved,
-                     const Backend& backend) {
+void qk_norm_rotary_(const Backend& backend, const Tensor& q, const Tensor& k,
+                     const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions,
+                     const Tensor& cos_sin, double eps, bool interleaved, double weight_offset,
+                     int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
   norm_in_place(Arg(q), Arg(k), q_weight, k_weight, positions, cos_sin, eps, interleaved,
                 weight_offset, rotary_offset, mrope_section, mrope_interleaved, backend);
 }
 
-void qk_norm_rotary_packed_(const Tensor& qkv_t, int64_t num_heads_q, int64_t num_heads_k,
-                            int64_t num_heads_v, const Tensor& q_weight, const Tensor& k_weight,
-                            const Tensor& positions, const Tensor& cos_sin, double eps,
-                            bool interleaved, double weight_offset, int64_t rotary_offset,
-                            const Sections& mrope_section, bool mrope_interleaved,
-                            const Backend& backend) {
+void qk_norm_rotary_packed_(const Backend& backend, const Tensor& qkv_t, int64_t num_heads_q,
+                            int64_t num_heads_k, int64_t num_heads_v, const Tensor& q_weight,
+                            const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
+                            double eps, bool interleaved, double weight_offset,
+                            int64_t rotary_offset, const Sections& mrope_section,
+                            bool mrope_interleaved) {
   ROPE_CHECK(TypeError, qkv_t.defined(), "qkv must be a tensor, got None");
   const Arg qkv(qkv_t);
   ROPE_CHECK(ValueError, qkv.dim() == 2, "qkv must be [T, (Hq+Hk+Hv)*D], got shape ",
              shape_str(qkv.sizes()));
+  ROPE_CHECK(TypeError, is_supported_float(dtype_of(qkv)),
+             "qkv must be a floating tensor (float32, float64, float16 or bfloat16), got ",
+             dtype_of(qkv));
   // Each count is bounded before the sum, which then cannot overflow.
   constexpr int64_t kMaxHeads = (int64_t(1) << 31) - 1;
   ROPE_CHECK(ValueError,
@@ -337,6 +341,7 @@ void qk_norm_rotary_packed_(const Tensor& qkv_t, int64_t num_heads_q, int64_t nu
   ROPE_CHECK(ValueError, width <= 1 || qkv.stride(1) == 1,
              "qkv must have a contiguous last dim (stride 1), got strides ",
              shape_str(qkv.strides()));
+  check_no_self_overlap(qkv.layout(), "qkv");
   const int64_t T = qkv.size(0), D = width / heads;
   const int64_t q_shape[3] = {T, num_heads_q, D}, k_shape[3] = {T, num_heads_k, D};
   const int64_t strides[3] = {qkv.stride(0), D, 1};
@@ -346,12 +351,12 @@ void qk_norm_rotary_packed_(const Tensor& qkv_t, int64_t num_heads_q, int64_t nu
                 rotary_offset, mrope_section, mrope_interleaved, backend);
 }
 
-std::tuple<Tensor, Tensor> qk_norm_rotary(const Tensor& q, const Tensor& k, const Tensor& q_weight,
-                                          const Tensor& k_weight, const Tensor& positions,
-                                          const Tensor& cos_sin, double eps, bool interleaved,
-                                          double weight_offset, int64_t rotary_offset,
-                                          const Sections& mrope_section, bool mrope_interleaved,
-                                          const Backend& backend) {
+std::tuple<Tensor, Tensor> qk_norm_rotary(const Backend& backend, const Tensor& q, const Tensor& k,
+                                          const Tensor& q_weight, const Tensor& k_weight,
+                                          const Tensor& positions, const Tensor& cos_sin,
+                                          double eps, bool interleaved, double weight_offset,
+                                          int64_t rotary_offset, const Sections& mrope_section,
+                                          bool mrope_interleaved) {
   const Arg qa(q), ka(k);
   check_3d(qa, "q", "[T, Hq, D]");
   check_3d(ka, "k", "[T, Hk, D]");
