@@ -5,7 +5,7 @@ For the same inputs and the same float32 table, every way rope_ext rotates a ten
 the KV-cache op's in-place q / k and the k it stores, ``RotaryEmbedding`` and transformers'
 ``apply_rotary_pos_emb`` replacement, on every CPU instruction set this CPU runs, in the host emulation of
 the CUDA kernel (three launch shapes) and on a GPU when there is one. Each path computes
-``y1 = fma(x1, c, -(x2 s))``, ``y2 = fma(x2, c, x1 s)`` in float32 with the product rounded first
+``y1 = fma(x1, c, x2 (-s))``, ``y2 = fma(x2, c, x1 s)`` in float32 with the product rounded first
 (rope.h ``rotate_pair``), then rounds once to the output dtype.
 
 The fused QK-norm ops are outside this contract: their sum of squares is reduced in a different order by

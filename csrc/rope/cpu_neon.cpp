@@ -8,7 +8,7 @@
 // Numerics: all arithmetic in fp32 (fp64 for float64 inputs, by the portable
 // loop), never in fp16, with the same formula and roundings as the AVX2
 // build, so that both give bit-identical results:
-//   half-split   y1 = fma(x1, c, -round(x2 s)),  y2 = fma(x2, c, round(x1 s))
+//   half-split   y1 = fma(x1, c, round(x2 (-s))),  y2 = fma(x2, c, round(x1 s))
 //   interleaved  y  = fma(x, cdup, round(swap(x) * (-s, +s)))
 // fp16 is widened and narrowed by the hardware conversions (round to nearest
 // even, as float_to_half); bf16 is widened by a shift and narrowed by the
@@ -93,12 +93,13 @@ inline void store8(BFloat16* p, float32x4_t lo, float32x4_t hi) {
 }
 
 // Half-split pair: y1 = x1 c - x2 s, y2 = x2 c + x1 s, each one fused
-// multiply-add onto the rounded product with s (AVX2's fmsub / fmadd).
-// fma(x1, c, -t) rather than -(t - x1 c) (vfmsq): the two differ in the sign
-// of an exact zero.
+// multiply-add onto the rounded product with s (rope.h's rotate_pair).
+// fma(x1, c, x2 (-s)) rather than -(x2 s - x1 c) (vfmsq): the two differ in
+// the sign of an exact zero; s is negated, not the product, so that a NaN x2
+// keeps its sign.
 inline void rotate_half(float32x4_t x1, float32x4_t x2, float32x4_t c, float32x4_t s,
                         float32x4_t& y1, float32x4_t& y2) {
-  y1 = vfmaq_f32(vnegq_f32(vmulq_f32(x2, s)), x1, c);
+  y1 = vfmaq_f32(vmulq_f32(x2, vnegq_f32(s)), x1, c);
   y2 = vfmaq_f32(vmulq_f32(x1, s), x2, c);
 }
 

@@ -162,11 +162,12 @@ ROPE_HD double fma_rn(double a, double b, double c) {
 // One grouping on every path, so that the portable and vector CPU kernels, the
 // host emulation and the GPU give the same bits: the product with s is rounded,
 // then x c is added to it in one fused multiply-add,
-//   y1 = fma(x1, c, -(x2 s)),  y2 = fma(x2, c, x1 s)
-// (the vector kernels' fmsub / fmadd onto a rounded product).
+//   y1 = fma(x1, c, x2 (-s)),  y2 = fma(x2, c, x1 s)
+// (the vector kernels' fmsub / fmadd onto a rounded product). s is negated
+// rather than the product, so that a NaN x2 keeps its sign, as in fmsub.
 template <class A>
 ROPE_HD void rotate_pair(A x1, A x2, A c, A s, A& y1, A& y2) {
-  y1 = fma_rn(x1, c, -mul_rn(x2, s));
+  y1 = fma_rn(x1, c, mul_rn(x2, -s));
   y2 = fma_rn(x2, c, mul_rn(x1, s));
 }
 

@@ -404,7 +404,7 @@ std::string check(const Case& c, std::mt19937& rng) {
           float fused[2] = {0, 0};
           if (std::is_same_v<T, float> && inside) {
             const float f1 = float(x1), f2 = float(x2), cf = float(ref_c), sf = float(ref_s);
-            fused[0] = std::fma(f1, cf, -(f2 * sf));
+            fused[0] = std::fma(f1, cf, f2 * -sf);
             fused[1] = std::fma(f2, cf, f1 * sf);
           }
           const double m = std::max(std::fabs(x1), std::fabs(x2));
