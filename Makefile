@@ -18,7 +18,7 @@ EXT_STAMP := build/.ext-stamp
 CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh tests/native/*.cpp)
 PY_DIRS := rope_ext tests benchmarks examples setup.py
 
-.PHONY: install build test test-sanitize bench lint format clean
+.PHONY: install build test test-quick test-sanitize bench lint format clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -28,9 +28,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) pytest pytest-xdist hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format
 	touch $@
 
+# The libraries (CPU, CUDA, test-only) build side by side (--parallel), each with ninja inside.
 build: $(EXT_STAMP)
 $(EXT_STAMP): $(VENV)/.installed $(SOURCES)
-	$(PY) setup.py -q build_ext --inplace
+	$(PY) setup.py -q build_ext --inplace --parallel 3
 	mkdir -p build && touch $@
 
 # Test files run side by side, PYTEST_WORKERS at a time (pytest-xdist; a file stays on one worker, so
@@ -39,8 +40,23 @@ $(EXT_STAMP): $(VENV)/.installed $(SOURCES)
 PYTEST_WORKERS ?= 2
 
 test: build
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-profile=ci \
+		tests $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-sanitize
+
+# The edit loop: the CPU kernels and ops on this CPU's best instruction set against the references (the
+# emulated CUDA bodies: pytest -k emu tests/test_ops.py); no builds, no compiles, no process groups, 25
+# hypothesis draws per property. `make test` runs all of it and more.
+QUICK_TESTS := tests/test_ops.py tests/test_cpu_vector_paths.py tests/test_property.py \
+	tests/test_serving_cache.py tests/test_serving_norm.py tests/test_positions_rule.py tests/test_errors.py \
+	tests/test_error_classes.py tests/test_fast_path_parity.py tests/test_inplace_safety.py \
+	tests/test_bit_equal.py tests/test_cache.py tests/test_scaling.py tests/test_mrope.py \
+	tests/test_rotary_offset.py tests/test_varlen_positions.py tests/test_reference_serving.py \
+	tests/test_regressions.py
+
+test-quick: build
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-profile=quick \
+		-k "not compile and not opcheck and not emu" $(QUICK_TESTS) $(PYTEST_ARGS)
 
 # The sanitizer build: the CPU library and the host emulation of the CUDA bodies built with AddressSanitizer
 # and UndefinedBehaviorSanitizer in build/sanitize, beside a copy of the Python package; the op, property and
@@ -52,23 +68,25 @@ SAN_TESTS ?= tests/test_hostile_integers.py tests/test_fuzz_ops.py tests/test_cr
 	tests/test_error_classes.py tests/test_ops.py tests/test_property.py tests/test_serving_cache.py \
 	tests/test_serving_norm.py tests/test_inplace_safety.py
 # Tests whose code differs per CPU instruction set run again on each set below the best (capped by
-# ROPE_EXT_CPU_ISA); tests/test_hostile_integers.py walks every set itself. A request larger than memory
+# ROPE_EXT_CPU_ISA), without the emulated CUDA bodies (no CPU kernel in them); tests/test_hostile_integers.py
+# and tests/test_fuzz_ops.py walk every set themselves. A request larger than memory
 # (a hostile shape) returns null to torch, which raises, instead of stopping the process.
 SAN_ISA_TESTS ?= tests/test_crash_fuzz.py tests/test_ops.py tests/test_positions_rule.py \
 	tests/test_serving_cache.py tests/test_serving_norm.py
 SAN_ENV := ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ROPE_EXT_EXPECT_PACKAGE=$(SAN) \
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)"
-SAN_PYTEST := $(VENV)/bin/pytest -q --capture=sys -p no:cacheprovider -o pythonpath=$(SAN)
+SAN_PYTEST := $(VENV)/bin/pytest -q --capture=sys -p no:cacheprovider -o pythonpath=$(SAN) \
+	--hypothesis-profile=sanitize
 
 test-sanitize: install
 	$(PY) -c "import shutil; shutil.copytree('rope_ext', '$(SAN)/rope_ext', dirs_exist_ok=True, \
 		ignore=shutil.ignore_patterns('*.so', '__pycache__'))"
-	ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext -b $(SAN) -t $(SAN)/temp
+	ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext --parallel 2 -b $(SAN) -t $(SAN)/temp
 	$(SAN_ENV) $(SAN_PYTEST) $(SAN_TESTS) $(PYTEST_ARGS)
 	for isa in scalar avx2 avx512; do \
 		echo "sanitizer build, ROPE_EXT_CPU_ISA=$$isa"; \
-		$(SAN_ENV) ROPE_EXT_CPU_ISA=$$isa $(SAN_PYTEST) $(SAN_ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
+		$(SAN_ENV) ROPE_EXT_CPU_ISA=$$isa $(SAN_PYTEST) -k "not emu" $(SAN_ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
 bench: build

@@ -54,9 +54,10 @@ def extensions():
     cxx = ["-O3", "-std=c++20", "-fno-fast-math", "-ffp-contract=off", "-fvisibility=hidden"]
     link = []
     if os.environ.get("ROPE_EXT_SANITIZE") == "1":
-        # Every report is fatal (-fno-sanitize-recover): a test that triggers one fails.
+        # Every report is fatal (-fno-sanitize-recover): a test that triggers one fails. -O1, as the
+        # sanitizers recommend: reports keep their lines, and the build takes half the time of -O3.
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-        cxx = [*cxx[:1], "-g", *cxx[1:], *sanitize]
+        cxx = ["-O1", "-g", *cxx[1:], *sanitize]
         link = sanitize
     macros = [("ROPE_EXT_PYTHON_MODULE", None), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     common = dict(define_macros=macros, py_limited_api=True, extra_link_args=link)

@@ -1,6 +1,6 @@
 """Markdown tables of a rope-bench JSON file (used to write cpu-results.md).
 
-Usage: ``python benchmarks/render_results.py benchmarks/cpu-targets.json``
+Usage: ``python benchmarks/render_results.py benchmarks/runs/cpu-targets.json``
 """
 
 from __future__ import annotations

@@ -95,11 +95,27 @@ __all__ = [
 ]
 
 
-def cmake_build(source: Path, build: Path) -> None:
+NATIVE_BUILD = Path(__file__).resolve().parents[1] / "build" / "cmake-tests"
+
+
+def native_build() -> Path:
+    """Builds tests/native/aoti_runner (the C++ runner of AOTInductor packages and, as its subproject, the
+    repository's CMakeLists.txt: the op library ``rope_ext/librope_ext_ops.so``) into build/cmake-tests,
+    once for every test process (a file lock; CMake rebuilds only what changed); returns the folder."""
+    from filelock import FileLock
+
+    NATIVE_BUILD.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(NATIVE_BUILD) + ".lock"):
+        cmake_build(NATIVE_BUILD.parents[1] / "tests" / "native" / "aoti_runner", NATIVE_BUILD)
+    return NATIVE_BUILD
+
+
+def cmake_build(source: Path, build: Path, build_it: bool = True) -> None:
     """Configures and builds the CMake project ``source`` into ``build`` against this torch's libtorch.
 
     No GPU needed. A CUDA build of libtorch links nvrtc, which pip-installed CUDA keeps beside torch (not in
     the toolkit), and looks for the toolkit at configure time (CUDA_HOME, default /usr/local/cuda).
+    ``build_it=False`` only configures.
     """
     prefix = f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"
     configure = ["cmake", "-S", str(source), "-B", str(build), prefix]
@@ -110,6 +126,6 @@ def cmake_build(source: Path, build: Path) -> None:
     env = dict(os.environ)
     if not env.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
         env["CUDA_HOME"] = "/usr/local/cuda"
-    for cmd in (configure, ["cmake", "--build", str(build), "-j2"]):
+    for cmd in (configure, ["cmake", "--build", str(build), "-j2"])[: 1 + build_it]:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -8,7 +8,9 @@ tensors; everything outside the views is filled with guard values that a correct
 (positions out of range, NaN in the cos/sin buffer) and never writes.
 
 Profiles (``--hypothesis-profile=NAME``): ``ci`` (500 draws per property test, the default count of
-these tests anyway) and ``long`` (20,000 draws per property test).
+these tests anyway, the same draws on every run: ``make test`` uses it) and ``long`` (20,000 draws per
+property test); ``quick`` (25 fixed draws, ``make test-quick``) and ``sanitize`` (100 fixed draws, the
+sanitizer build of ``make test-sanitize``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )
-settings.register_profile("ci", max_examples=500, **_COMMON)
+settings.register_profile("ci", max_examples=500, derandomize=True, database=None, **_COMMON)
 settings.register_profile("long", max_examples=20_000, **_COMMON)
+settings.register_profile("quick", max_examples=25, derandomize=True, database=None, **_COMMON)
+settings.register_profile("sanitize", max_examples=100, derandomize=True, database=None, **_COMMON)
 
 CI_DRAWS = 500
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -36,8 +40,10 @@ MAX_ELEMENTS = 6000  # per tensor: keeps a draw to a few milliseconds
 
 
 def n_draws(ci: int = CI_DRAWS) -> int:
-    """Draws for one property test: ``ci`` under the default and ``ci`` profiles, more if the profile asks."""
-    return max(ci, settings.default.max_examples)
+    """Draws for one property test: ``ci`` at most under a derandomized profile (``ci`` itself; fewer under
+    ``quick`` and ``sanitize``), otherwise at least ``ci``, more if the profile asks (``long``)."""
+    drawn = settings.default.max_examples
+    return min(ci, drawn) if settings.default.derandomize else max(ci, drawn)
 
 
 def property_settings(ci: int = CI_DRAWS) -> settings:

@@ -11,8 +11,18 @@ import _strategies  # noqa: F401  (registers the hypothesis profiles ci and long
 import pytest
 import torch
 from _helpers import HAS_CUDA
+from hypothesis import settings
 
 import rope_ext
+
+
+def pytest_configure(config):
+    # The hypothesis profile of this run (make test: --hypothesis-profile=ci, derandomized) also holds in the
+    # child pytest runs of test_cpu_isa.py, through the environment.
+    profile = config.getoption("hypothesis_profile", None) or os.environ.get("ROPE_EXT_HYPOTHESIS_PROFILE")
+    if profile:
+        settings.load_profile(profile)
+        os.environ["ROPE_EXT_HYPOTHESIS_PROFILE"] = profile
 
 
 def pytest_sessionstart(session):

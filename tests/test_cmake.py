@@ -1,4 +1,6 @@
-"""CMakeLists.txt builds the same op library against libtorch, loadable with torch.ops.load_library."""
+"""CMakeLists.txt configures on its own and builds the same op library against libtorch, loadable with
+torch.ops.load_library. The library is the one of the shared native build (``_helpers.native_build``, also
+used by test_export_aoti.py), which builds this CMakeLists.txt as a subproject."""
 
 from __future__ import annotations
 
@@ -9,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import cmake_build
+from _helpers import cmake_build, native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 def test_cmake_build_loads_and_matches(tmp_path):
-    cmake_build(ROOT, tmp_path)
-    lib = tmp_path / "librope_ext_ops.so"
+    cmake_build(ROOT, tmp_path, build_it=False)  # the top-level project configures
+    lib = native_build() / "rope_ext" / "librope_ext_ops.so"
     assert lib.exists()
     # A fresh interpreter without the Python extension: the library alone registers the ops.
     code = f"""

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import cmake_build
+from _helpers import native_build
 from torch import nn
 from torch.export import Dim
 
@@ -308,11 +308,10 @@ def test_aoti_package_needs_the_op_library(inplace_package, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def aoti_runner(tmp_path_factory) -> tuple[Path, Path]:
-    """Builds tests/native/aoti_runner (the runner and the op library, against libtorch) once; returns the
-    paths of the runner and of librope_ext_ops.so."""
-    build = tmp_path_factory.mktemp("aoti_runner")
-    cmake_build(ROOT / "tests" / "native" / "aoti_runner", build)
+def aoti_runner() -> tuple[Path, Path]:
+    """The runner and the op library, against libtorch (the shared native build); returns the paths of the
+    runner and of librope_ext_ops.so."""
+    build = native_build()
     return build / "aoti_runner", build / "rope_ext" / "librope_ext_ops.so"
 
 
