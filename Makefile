@@ -13,15 +13,16 @@ endif
 endif
 # The in-place build is the test build: it adds the test-only ops (ROPE_EXT_TESTING, see setup.py).
 export ROPE_EXT_TESTING := 1
-SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
+SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/rope/*/*)
 EXT_STAMP := build/.ext-stamp
-CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh tests/native/*.cpp)
+CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/rope/*/* tests/native/*.cpp)
 PY_DIRS := rope_ext tests benchmarks examples setup.py
 
 .PHONY: install build test test-quick test-sanitize bench lint format clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
+	@echo "== $(VENV): a virtual environment with torch (a CUDA build, several GB on first install) and the tools"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) torch ninja setuptools wheel build
@@ -31,8 +32,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 # The libraries (CPU, CUDA, test-only) build side by side (--parallel), each with ninja inside.
 build: $(EXT_STAMP)
 $(EXT_STAMP): $(VENV)/.installed $(SOURCES)
-	$(PY) setup.py -q build_ext --inplace --parallel 3
-	mkdir -p build && touch $@
+	@mkdir -p build
+	@echo "== building the extension in place (a few minutes the first time; compiler lines in build/build.log)"
+	@$(PY) setup.py -q build_ext --inplace --parallel 3 > build/build.log 2>&1 || { tail -40 build/build.log; exit 1; }
+	@grep -E ": (warning|error):" build/build.log | head -20 || true
+	touch $@
 
 # Test files run side by side, PYTEST_WORKERS at a time (pytest-xdist; a file stays on one worker, so
 # its fixtures are built once), in the order tests/conftest.py gives them (the multi-minute files first);
@@ -77,12 +81,14 @@ SAN_ENV := ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:allocator_may_return_null
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ROPE_EXT_EXPECT_PACKAGE=$(SAN) \
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)"
 SAN_PYTEST := $(VENV)/bin/pytest -q --capture=sys -p no:cacheprovider -o pythonpath=$(SAN) \
-	--hypothesis-profile=sanitize
+	--hypothesis-profile=short -n $(PYTEST_WORKERS) --dist loadfile
 
 test-sanitize: install
 	$(PY) -c "import shutil; shutil.copytree('rope_ext', '$(SAN)/rope_ext', dirs_exist_ok=True, \
 		ignore=shutil.ignore_patterns('*.so', '__pycache__'))"
-	ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext --parallel 2 -b $(SAN) -t $(SAN)/temp
+	@echo "== the sanitizer build in $(SAN) (compiler lines in $(SAN)/build.log)"
+	@ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext --parallel 2 -b $(SAN) -t $(SAN)/temp \
+		> $(SAN)/build.log 2>&1 || { tail -40 $(SAN)/build.log; exit 1; }
 	$(SAN_ENV) $(SAN_PYTEST) $(SAN_TESTS) $(PYTEST_ARGS)
 	for isa in scalar avx2 avx512; do \
 		echo "sanitizer build, ROPE_EXT_CPU_ISA=$$isa"; \

@@ -12,7 +12,8 @@ Environment:
   ROPE_EXT_TESTING=1        add rope_ext._C_testing
   ROPE_EXT_SANITIZE=1       build with AddressSanitizer and UndefinedBehaviorSanitizer (`make test-sanitize`;
                             CPU only: run with libasan preloaded)
-  TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else "8.0;9.0+PTX"
+  TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else cmake/cuda_arch_list.txt
+                            ("8.0;9.0+PTX", the list CMake uses too)
   CUDA_HOME                 CUDA toolkit; default /usr/local/cuda when it exists
 
 Wheel: `pip wheel --no-build-isolation .` (or `python -m build --wheel --no-isolation`) gives a
@@ -22,6 +23,8 @@ cp310-abi3 wheel.
 import glob
 import os
 import shutil
+import threading
+from pathlib import Path
 
 from setuptools import setup
 
@@ -36,6 +39,8 @@ from torch.utils import cpp_extension  # noqa: E402
 # The oldest torch whose stable ABI has everything the bindings use (torch::stable::parallel_for,
 # get_num_threads, empty, std::string arguments): 2.10. Headers hide what is newer.
 TORCH_TARGET_VERSION = "0x020A000000000000"
+# Without a visible GPU, the CUDA architectures built: one list, shared with CMake.
+DEFAULT_CUDA_ARCH_LIST = Path(__file__).with_name("cmake").joinpath("cuda_arch_list.txt").read_text().strip()
 
 
 def want_cuda() -> bool:
@@ -67,7 +72,7 @@ def extensions():
             "rope_ext._C",
             binding
             + ["csrc/ops/ops_cpu.cpp", "csrc/ops/registration.cpp"]
-            + sorted(glob.glob("csrc/rope/*.cpp")),
+            + sorted(glob.glob("csrc/rope/cpu/*.cpp")),
             extra_compile_args={"cxx": cxx},
             **common,
         )
@@ -83,13 +88,13 @@ def extensions():
         )
     if want_cuda() and os.environ.get("ROPE_EXT_SANITIZE") != "1":
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCH_LIST
         nvcc = ["-O3", "-std=c++20", "--fmad=true", "-lineinfo", "-Xcompiler", "-ffp-contract=off"]
         nvcc += ["-Xcompiler", "-fvisibility=hidden"]
         exts.append(
             cpp_extension.CUDAExtension(
                 "rope_ext._C_cuda",
-                binding + ["csrc/ops/ops_cuda.cu"] + sorted(glob.glob("csrc/rope/*.cu")),
+                binding + ["csrc/ops/ops_cuda.cu"] + sorted(glob.glob("csrc/rope/cuda/*.cu")),
                 extra_compile_args={"cxx": cxx, "nvcc": nvcc},
                 define_macros=macros + [("USE_CUDA", None)],
                 py_limited_api=True,
@@ -110,13 +115,24 @@ class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
                 os.remove(old)
         super().run()
 
+    # build_temp as the running extension's folder: a per-thread value, as `build_ext --parallel` builds
+    # the extensions on threads of one command object.
+    _building = threading.local()
+
+    @property
+    def build_temp(self):
+        return getattr(self._building, "build_temp", None) or self._build_temp
+
+    @build_temp.setter
+    def build_temp(self, value):
+        self._build_temp = value
+
     def build_extension(self, ext):
-        base = self.build_temp
-        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        self._building.build_temp = os.path.join(self._build_temp, ext.name.rsplit(".", 1)[-1])
         try:
             super().build_extension(ext)
         finally:
-            self.build_temp = base
+            self._building.build_temp = None
 
 
 setup(

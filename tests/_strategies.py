@@ -8,9 +8,10 @@ tensors; everything outside the views is filled with guard values that a correct
 (positions out of range, NaN in the cos/sin buffer) and never writes.
 
 Profiles (``--hypothesis-profile=NAME``): ``ci`` (500 draws per property test, the default count of
-these tests anyway, the same draws on every run: ``make test`` uses it) and ``long`` (20,000 draws per
-property test); ``quick`` (25 fixed draws, ``make test-quick``) and ``sanitize`` (100 fixed draws, the
-sanitizer build of ``make test-sanitize``).
+these tests anyway, the same draws on every run: ``make test`` uses it), ``long`` (20,000 draws per
+property test), ``quick`` (25 fixed draws, ``make test-quick``) and ``short`` (100 fixed draws: the
+sanitizer build of ``make test-sanitize``, and the reruns on the lower CPU instruction sets in
+test_cpu_isa.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ _COMMON = dict(
 settings.register_profile("ci", max_examples=500, derandomize=True, database=None, **_COMMON)
 settings.register_profile("long", max_examples=20_000, **_COMMON)
 settings.register_profile("quick", max_examples=25, derandomize=True, database=None, **_COMMON)
-settings.register_profile("sanitize", max_examples=100, derandomize=True, database=None, **_COMMON)
+settings.register_profile("short", max_examples=100, derandomize=True, database=None, **_COMMON)
 
 CI_DRAWS = 500
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -41,7 +42,7 @@ MAX_ELEMENTS = 6000  # per tensor: keeps a draw to a few milliseconds
 
 def n_draws(ci: int = CI_DRAWS) -> int:
     """Draws for one property test: ``ci`` at most under a derandomized profile (``ci`` itself; fewer under
-    ``quick`` and ``sanitize``), otherwise at least ``ci``, more if the profile asks (``long``)."""
+    ``quick`` and ``short``), otherwise at least ``ci``, more if the profile asks (``long``)."""
     drawn = settings.default.max_examples
     return min(ci, drawn) if settings.default.derandomize else max(ci, drawn)
 

@@ -38,7 +38,10 @@ def pytest_sessionstart(session):
 
 
 def pytest_report_header(config):
-    return f"rope_ext CPU kernel: {rope_ext._cpu_isa()}"
+    return [
+        f"rope_ext CPU kernel: {rope_ext._cpu_isa()}",
+        "first, the files that take minutes (compilers, child processes): " + ", ".join(_SLOW_FILES_FIRST),
+    ]
 
 
 @pytest.fixture(

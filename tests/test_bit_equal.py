@@ -8,8 +8,8 @@ the CUDA kernel (three launch shapes) and on a GPU when there is one. Each path 
 ``y1 = fma(x1, c, x2 (-s))``, ``y2 = fma(x2, c, x1 s)`` in float32 with the product rounded first
 (rope.h ``rotate_pair``), then rounds once to the output dtype.
 
-The fused QK-norm ops are outside this contract: their sum of squares is reduced in a different order by
-each vector width (README, "Numerics").
+The fused QK-norm ops give one result on every CPU instruction set too (their sum of squares runs in 16 fixed
+lanes); the CUDA body reduces over a warp in its own order (README, "Numerics").
 """
 
 from __future__ import annotations
@@ -153,3 +153,35 @@ def test_compiled_paths_give_the_same_bits(dtype):
     a, b, q2, k2 = rotate(q, k, pos, cs)
     _assert_equal("compiled apply_rotary_qk", (a, b), want)
     _assert_equal("compiled apply_rotary_qk_", (q2, k2), want)
+
+
+@pytest.mark.parametrize("head_dim", [64, 46, 130])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_norm_gives_the_same_bits_on_every_instruction_set(dtype, interleaved, head_dim):
+    q, k, pos, cs = _inputs(dtype, head_dim, head_dim)
+    g = torch.Generator().manual_seed(7)
+    wq, wk = (torch.randn(head_dim, generator=g) * 0.1 + 1 for _ in range(2))
+    qkv = torch.cat([q.flatten(1), k.flatten(1), k.flatten(1)], 1)
+    previous = ops._set_cpu_isa("scalar")
+    try:
+        out = {}
+        for isa in ISAS:
+            ops._set_cpu_isa(isa)
+            a = rope_ext.apply_qk_norm_rotary(
+                q, k, wq.to(dtype), wk.to(dtype), pos, cs, interleaved=interleaved
+            )
+            packed = qkv.clone()
+            rope_ext.apply_qk_norm_rotary_(
+                packed, HQ, HK, HK, wq.to(dtype), wk.to(dtype), pos, cs, interleaved=interleaved
+            )
+            b = (
+                packed[:, : HQ * head_dim].view_as(q),
+                packed[:, HQ * head_dim : (HQ + HK) * head_dim].view_as(k),
+            )
+            out[isa] = a
+            _assert_equal(f"{isa} apply_qk_norm_rotary_", b, a)
+        for isa in ISAS:
+            _assert_equal(f"{isa} apply_qk_norm_rotary", out[isa], out["scalar"])
+    finally:
+        ops._set_cpu_isa(previous)

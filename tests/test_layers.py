@@ -4,7 +4,7 @@ portable path.
 * ``csrc/rope`` (kernels) includes nothing from torch or ``csrc/ops``, and compiles with a plain C++
   compiler and no torch headers; ``csrc/ops`` includes only ``csrc/rope`` headers, its own and torch's;
   ``registration.cpp`` (the schemas) includes no kernel header; only ``rope_ext/ops.py`` imports ``_C``.
-* ``cpu_avx2.cpp`` is compiled for AVX2/FMA/F16C, ``cpu_avx512.cpp`` and ``cpu_avx512_bf16.cpp`` for
+* ``cpu/avx2.cpp`` is compiled for AVX2/FMA/F16C, ``cpu/avx512.cpp`` and ``cpu/avx512_bf16.cpp`` for
   AVX-512. Every function a vector build emits with those instructions must be its own
   (``rope::<isa>::...`` or its entry point ``rope::cpu::detail::rotate_tokens_<isa>``): a vector copy of a
   shared inline function (a weak symbol) may be the one the linker keeps for every caller, and a CPU
@@ -36,19 +36,33 @@ def _includes(path: Path) -> list[str]:
 
 
 def _sources(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix in (".h", ".cpp", ".cu", ".cuh"))
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".h", ".cpp", ".cu", ".cuh"))
+
+
+def _room(path: Path) -> str:
+    """The folder of csrc/rope a kernel file stands in: "" (the shared headers), "cpu" or "cuda"."""
+    parts = path.relative_to(KERNELS).parts
+    return parts[0] if len(parts) > 1 else ""
 
 
 def test_kernel_layer_includes_only_itself_the_standard_library_and_cuda():
-    own = {p.name for p in _sources(KERNELS)}
-    for src in _sources(KERNELS):
+    """csrc/rope includes its own files, the standard library and CUDA's; cpu/ and cuda/ build on the shared
+    headers at the top (parameters, per-pair math), never on each other."""
+    own = set(_sources(KERNELS))
+    for src in own:
         for inc in _includes(src):
-            assert inc in own or STD_OR_CUDA.match(inc), f"{src.name} includes {inc}"
+            target = (src.parent / inc).resolve()
+            name = src.relative_to(KERNELS)
+            if target in own:
+                assert _room(target) in ("", _room(src)), f"{name} includes {inc} (another room)"
+            else:
+                assert STD_OR_CUDA.match(inc), f"{name} includes {inc}"
 
 
 def test_binding_layer_includes_only_kernel_headers_its_own_and_torch():
     own = {p.name for p in _sources(BINDINGS)}
-    kernel_headers = {f"../rope/{p.name}" for p in _sources(KERNELS) if p.suffix in (".h", ".cuh")}
+    headers = [p for p in _sources(KERNELS) if p.suffix in (".h", ".cuh")]
+    kernel_headers = {f"../rope/{p.relative_to(KERNELS).as_posix()}" for p in headers}
     for src in _sources(BINDINGS):
         for inc in _includes(src):
             ok = (
@@ -118,7 +132,7 @@ def _leaks(path: Path, isa: str | None = None) -> dict[str, str]:
 def test_kernel_layer_compiles_without_torch(tmp_path):
     if not shutil.which("g++"):
         pytest.skip("no g++")
-    for src in sorted(KERNELS.glob("*.cpp")):
+    for src in sorted(KERNELS.rglob("*.cpp")):
         subprocess.run(
             ["g++", "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", f"-I{KERNELS}", str(src)],
             check=True,
@@ -130,7 +144,7 @@ def _built_objects(names: list[str]) -> dict[str, Path] | None:
     """The objects of ``names`` from the in-place build (setup.py: -O3 and the flags that ship) when they
     are newer than every kernel source, else None."""
     newest = max(p.stat().st_mtime for p in _sources(KERNELS))
-    for folder in sorted(ROOT.glob("build/temp.*/_C/csrc/rope")):
+    for folder in sorted(ROOT.glob("build/temp.*/_C/csrc/rope/cpu")):
         objs = {n: folder / f"{n}.o" for n in names}
         if all(o.exists() and o.stat().st_mtime >= newest for o in objs.values()):
             return objs
@@ -140,14 +154,24 @@ def _built_objects(names: list[str]) -> dict[str, Path] | None:
 @needs_x86_gcc
 @pytest.mark.parametrize("opt", ["-O0", "-O3"])
 def test_vector_builds_emit_no_avx_copy_of_shared_code(tmp_path, opt):
-    names = ["cpu_kernel", *(f"cpu_{isa}" for isa in X86_BUILDS)]
+    names = ["kernel", *X86_BUILDS]  # csrc/rope/cpu/<name>.cpp
     built = _built_objects(names) if opt == "-O3" else None
     objs, compiles = built or {}, {}
     for name in [] if built else names:  # compiled side by side
         objs[name] = tmp_path / f"{name}.o"
+        source = KERNELS / "cpu" / f"{name}.cpp"
         compiles[name] = subprocess.Popen(
-            ["g++", "-std=c++20", opt, "-fPIC", "-ffp-contract=off", "-c", str(KERNELS / f"{name}.cpp")]
-            + ["-o", str(objs[name])],
+            [
+                "g++",
+                "-std=c++20",
+                opt,
+                "-fPIC",
+                "-ffp-contract=off",
+                "-c",
+                str(source),
+                "-o",
+                str(objs[name]),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -155,13 +179,13 @@ def test_vector_builds_emit_no_avx_copy_of_shared_code(tmp_path, opt):
     for name, proc in compiles.items():
         _, err = proc.communicate()
         assert proc.returncode == 0, f"{name}.cpp: {err[-2000:]}"
-    assert not _vex_functions(objs["cpu_kernel"]), "the portable kernel contains AVX code"
+    assert not _vex_functions(objs["kernel"]), "the portable kernel contains AVX code"
     for isa in X86_BUILDS:
-        avx = _vex_functions(objs[f"cpu_{isa}"])
+        avx = _vex_functions(objs[isa])
         assert any(_owner(f) == isa for f in avx), f"the {isa} build has no vector code"
-        leaks = _leaks(objs[f"cpu_{isa}"], isa)
+        leaks = _leaks(objs[isa], isa)
         assert not leaks, f"AVX code outside rope::{isa}: {sorted(leaks)[:10]}"
-    zmm = {isa: _disassembly(objs[f"cpu_{isa}"]) for isa in X86_BUILDS}
+    zmm = {isa: _disassembly(objs[isa]) for isa in X86_BUILDS}
     assert "%zmm" not in zmm["avx2"] and "%zmm" in zmm["avx512"] and "%zmm" in zmm["avx512_bf16"]
     assert "vcvtneps2bf16" in zmm["avx512_bf16"]
     assert "vcvtneps2bf16" not in zmm["avx512"] and "vcvtneps2bf16" not in zmm["avx2"]

@@ -1,10 +1,10 @@
-"""The aarch64 NEON build of the CPU kernel (``csrc/rope/cpu_neon.cpp``), checked on any machine.
+"""The aarch64 NEON build of the CPU kernel (``csrc/rope/cpu/neon.cpp``), checked on any machine.
 
 * ``tests/native/neon_check.cpp`` (torch-free) is cross-compiled with the kernel sources for aarch64 at
   -O3 and run under qemu: NEON against the portable build (bit for bit), a float64 reference and the
   fused formula of rope.h; bf16/fp16 rounding bit-exact with rope.h; pass-through, strides, positions
   outside the cache, NaN/inf (see the file's header).
-* The aarch64 object of ``cpu_neon.cpp`` (-O0, where every inline function is emitted, and -O3) holds
+* The aarch64 object of ``cpu/neon.cpp`` (-O0, where every inline function is emitted, and -O3) holds
   NEON code (fused multiply-adds on ``.4s`` vectors, fp16/bf16 conversions) in its own functions, and no
   fp16 arithmetic.
 
@@ -48,8 +48,8 @@ def _objects(opt: str) -> dict[str, Path]:
     out = Path(tempfile.mkdtemp(prefix=f"neon{opt}"))
     sources = {
         "neon_check": DRIVER,
-        "cpu_kernel": KERNELS / "cpu_kernel.cpp",
-        "cpu_neon": KERNELS / "cpu_neon.cpp",
+        "cpu_kernel": KERNELS / "cpu/kernel.cpp",
+        "cpu_neon": KERNELS / "cpu/neon.cpp",
     }
     procs = {
         name: subprocess.Popen(

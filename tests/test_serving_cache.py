@@ -450,7 +450,7 @@ def test_fp8_conversion_bit_exact_against_torch(scale, fp8, backend):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 def test_fp8_tables_every_16_bit_value(dtype, fp8):
     """A CPU call that quantizes 4 * 65536 values or more of one 16-bit tensor looks them up in a table of
-    every bit pattern (serving_cpu.cpp). Here q (to an fp8 q_out), k and v have that many values each, v
+    every bit pattern (cpu/kv_cache.cpp). Here q (to an fp8 q_out), k and v have that many values each, v
     holds every pattern of its dtype four times (infinities, NaNs, subnormals, both zeros), and every
     written bit must be the reference's, as for the row kernel: a table built wrong fails here."""
     gen = torch.Generator().manual_seed(11)

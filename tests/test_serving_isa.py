@@ -1,5 +1,5 @@
 """The serving ops' CPU kernels under every instruction set this CPU runs: the fp8 row kernels
-(csrc/rope/serving_rows.h) and the QK norm (csrc/rope/norm_kernel.h).
+(csrc/rope/cpu/fp8_rows.h) and the QK norm (csrc/rope/cpu/qk_norm.h).
 
 The RMSNorm of a head and the fp8 quantization of a row compute the same bits in the portable and the
 AVX2 builds (16 fixed summation lanes added as a tree, no fused products, round to nearest even), so: fp8

@@ -6,10 +6,24 @@
 
 #include <torch/csrc/stable/library.h>
 
-#include "../rope/serving_cuda.cuh"
+#include "../rope/cuda/serving.cuh"
 #include "layout.h"
 
 namespace rope_ext {
+namespace {
+
+// Runs thread(coord) for every thread of grid g, one after the other (an order the GPU may also
+// take).
+template <class F>
+void for_each_thread(const rope::gpu::Launch& g, F&& thread) {
+  for (int64_t by = 0; by < g.grid_y; ++by)
+    for (int64_t bx = 0; bx < g.grid_x; ++bx)
+      for (int64_t ty = 0; ty < g.block_y; ++ty)
+        for (int64_t tx = 0; tx < g.block_x; ++tx)
+          thread(rope::gpu::Coord{bx, by, tx, ty, g.block_x, g.block_y, g.grid_x, g.grid_y});
+}
+
+}  // namespace
 
 std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_out,
                                    std::optional<Tensor> k_out, Tensor positions, Tensor cos_sin,
@@ -36,15 +50,12 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   check_writable(qoa, koa ? &*koa : nullptr);
   const auto l = rope::gpu::plan_launch(p, num_sms, force_scalar);
   if (rope::gpu::has_work(p, l)) {
-    rope::gpu::dispatch_cuda(
-        p, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-          for (int64_t by = 0; by < l.grid_y; ++by)
-            for (int64_t bx = 0; bx < l.grid_x; ++bx)
-              for (int64_t ty = 0; ty < l.block_y; ++ty)
-                for (int64_t tx = 0; tx < l.block_x; ++tx)
-                  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(
-                      p, l, {bx, by, tx, ty, l.block_x, l.block_y, l.grid_x, l.grid_y});
-        });
+    rope::gpu::dispatch_cuda(p, l.vectorized,
+                             [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+                               for_each_thread(l, [&](const rope::gpu::Coord& c) {
+                                 rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(p, l, c);
+                               });
+                             });
   }
   return {l.grid_x, l.grid_y, l.block_x, l.block_y, l.vectorized ? 1 : 0};
 }
@@ -63,15 +74,12 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
   const auto l = rope::gpu::plan_cache_launch(cp, num_sms, force_scalar);
   const auto& g = l.grid;
   if (q.size(0) > 0 && rope::gpu::cache_has_work(cp, l)) {
-    rope::gpu::dispatch_cuda(
-        cp.rope, g.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-          for (int64_t by = 0; by < g.grid_y; ++by)
-            for (int64_t bx = 0; bx < g.grid_x; ++bx)
-              for (int64_t ty = 0; ty < g.block_y; ++ty)
-                for (int64_t tx = 0; tx < g.block_x; ++tx)
-                  rope::gpu::cache_thread<T, CS, Pos, IL, Vec>(
-                      cp, l, {bx, by, tx, ty, g.block_x, g.block_y, g.grid_x, g.grid_y});
-        });
+    rope::gpu::dispatch_cuda(cp.rope, g.vectorized,
+                             [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+                               for_each_thread(g, [&](const rope::gpu::Coord& c) {
+                                 rope::gpu::cache_thread<T, CS, Pos, IL, Vec>(cp, l, c);
+                               });
+                             });
   }
   return {g.grid_x, g.grid_y, g.block_x, g.block_y, g.vectorized ? 1 : 0};
 }

@@ -1,5 +1,5 @@
 // Test support, built only with ROPE_EXT_TESTING=1 (library rope_ext._C_testing):
-// the CUDA kernel body (rope/cuda_kernel.cuh) run on the CPU, one thread of the
+// the CUDA kernel body (rope/cuda/rotary.cuh) run on the CPU, one thread of the
 // CUDA grid at a time, with every vector access checked for alignment.
 #pragma once
 

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "../rope/cpu.h"
+#include "../rope/cpu/cpu.h"
 #include "../rope/rope.h"
 #include "binding.h"
 
@@ -19,12 +19,10 @@ void check_positions_cpu(const rope::RopeParams& p) {
 }
 
 // Bytes a thread should move (read + written) before splitting pays for waking
-// another one: a few microseconds when torch's OpenMP workers are still
-// spinning from the last parallel region, about 20 us when they sleep
-// (OMP_WAIT_POLICY=passive, or idle for a while) on a 2 GHz Zen 1, where
-// rotating 256 KiB takes about 30 us. Smaller steps stay on the calling thread;
-// larger ones split into one contiguous block of tokens per thread
-// (torch::stable::parallel_for, so torch.set_num_threads applies).
+// another one: waking torch's OpenMP workers costs about as much as rotating
+// this many bytes (benchmarks/cpu-serving.md, "Threads"). Smaller steps stay
+// on the calling thread; larger ones split into one contiguous block of tokens
+// per thread (torch::stable::parallel_for, so torch.set_num_threads applies).
 constexpr int64_t kMinBytesPerChunk = int64_t(256) << 10;
 
 void launch_cpu(const rope::RopeParams& p, const Tensor&) {

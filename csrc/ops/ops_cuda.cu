@@ -9,7 +9,7 @@
 #include <array>
 #include <atomic>
 
-#include "../rope/cuda.h"
+#include "../rope/cuda/launch.h"
 #include "binding.h"
 
 namespace rope_ext {
@@ -38,30 +38,21 @@ cudaStream_t current_stream(int device) {
   return static_cast<cudaStream_t>(stream);
 }
 
-void launch_cuda(const rope::RopeParams& p, const Tensor& q) {
+// Runs launcher L of rope::gpu for p on q's device and current stream.
+template <class Params, cudaError_t (*L)(const Params&, int, cudaStream_t)>
+void on_device(const Params& p, const Tensor& q) {
   const int device = q.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
-  cuda_check(rope::gpu::launch(p, sm_count(device), current_stream(device)));
+  cuda_check(L(p, sm_count(device), current_stream(device)));
 }
 
-// Positions are not inspected on the host (that would synchronise): a
-// position outside the cache yields NaN in that token's rotated features, and
+// No check_positions: positions and slots are not inspected on the host (that
+// would synchronise). A position outside the cache yields NaN in that token's
+// rotated features, a slot outside the cache is skipped (never written), and
 // rope_ext.set_position_checks(True) makes the Python API raise instead.
-void launch_cache_cuda(const rope::CacheParams& p, const Tensor& q) {
-  const int device = q.get_device_index();
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  cuda_check(rope::gpu::launch_cache(p, sm_count(device), current_stream(device)));
-}
-
-void launch_norm_cuda(const rope::NormParams& p, const Tensor& q) {
-  const int device = q.get_device_index();
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  cuda_check(rope::gpu::launch_norm(p, sm_count(device), current_stream(device)));
-}
-
-// Slots are not inspected on the host either: a slot outside the cache is
-// skipped (never written).
-constexpr Backend kCuda{nullptr, launch_cuda, launch_cache_cuda, launch_norm_cuda};
+constexpr Backend kCuda{nullptr, on_device<rope::RopeParams, rope::gpu::launch>,
+                        on_device<rope::CacheParams, rope::gpu::launch_cache>,
+                        on_device<rope::NormParams, rope::gpu::launch_norm>};
 
 }  // namespace
 }  // namespace rope_ext

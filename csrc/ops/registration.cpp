@@ -68,8 +68,8 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
   // rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_ with every other
   // argument at its default: the eager calls that pass no option (a decode
-  // step) take these, since a boxed call costs about 0.27 us per schema
-  // argument, passed or defaulted. rotary_qk_cache_.scaled adds k_scale and
+  // step) take these, since a boxed call costs time per schema argument,
+  // passed or defaulted (benchmarks/cpu-serving.md). rotary_qk_cache_.scaled adds k_scale and
   // v_scale: fp8 caches, and callers that always pass scales (vLLM's).
   m.def("rotary_qk_.plain(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin) -> ()");
   m.def(
@@ -82,7 +82,7 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   m.def(
       "qk_norm_rotary_packed_.plain(Tensor(a!) qkv, int num_heads_q, int num_heads_k, "
       "int num_heads_v, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin) -> ()");
-  // The CPU kernel's instruction sets (csrc/rope/cpu.h), implemented in
+  // The CPU kernel's instruction sets (csrc/rope/cpu/cpu.h), implemented in
   // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
   // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.
   m.def("_cpu_isa() -> str");

@@ -97,7 +97,7 @@ struct RopeParams {
 namespace rope {
 
 // ---------------------------------------------------------------------------
-// Serving ops (kernels in serving_cpu.cpp and serving_cuda.cuh).
+// Serving ops (kernels in cpu/kv_cache.cpp and cuda/serving.cuh).
 
 // Largest head_dim of the fused QK-RMSNorm + rotary (one warp holds a head in
 // registers on the GPU: at most 16 rotated and 16 pass-through features per lane).

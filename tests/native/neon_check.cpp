@@ -1,9 +1,9 @@
-// Torch-free check of the aarch64 NEON build of the CPU kernel (cpu_neon.cpp)
+// Torch-free check of the aarch64 NEON build of the CPU kernel (cpu/neon.cpp)
 // against the portable build and a float64 reference. Built and run by
 // tests/test_neon.py (cross-compiled, run under qemu-aarch64):
 //
 //   aarch64-linux-gnu-g++ -std=c++20 -I csrc/rope tests/native/neon_check.cpp
-//       csrc/rope/cpu_kernel.cpp csrc/rope/cpu_neon.cpp -o neon_check
+//       csrc/rope/cpu/kernel.cpp csrc/rope/cpu/neon.cpp -o neon_check
 //
 // For every case (dtype, pairing, head_dim/rotary_dim, tokens, in/out of
 // place, inverse, strided heads, positions outside the cache, NaN/inf inputs):
@@ -45,7 +45,7 @@ int main() {
 #include <type_traits>
 #include <vector>
 
-#include "../../csrc/rope/cpu_kernel.h"
+#include "../../csrc/rope/cpu/kernel.h"
 
 using namespace rope;
 

@@ -1,13 +1,13 @@
-// Portable CPU kernel and the run-time choice of instruction set (cpu.h).
-#include "cpu_kernel.h"
+// Portable CPU kernel and the run-time choice of instruction set (cpu/cpu.h).
+#include "kernel.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "cpu.h"
-#include "norm_kernel.h"
-#include "serving_rows.h"
+#include "fp8_rows.h"
+#include "qk_norm.h"
 
 namespace rope {
 namespace cpu {

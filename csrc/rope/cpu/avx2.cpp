@@ -1,5 +1,5 @@
 // AVX2 + FMA + F16C build of the CPU kernel, called only after a run-time
-// CPU check (cpu_kernel.cpp). On other architectures this file is empty.
+// CPU check (cpu/kernel.cpp). On other architectures this file is empty.
 //
 // Only the code of this file and of the rope headers is compiled for AVX2:
 // the standard headers are included before the target pragma (their inline
@@ -15,7 +15,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "params.h"
+#include "../params.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -24,9 +24,9 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 
-#include "cpu_kernel.h"
-#include "norm_kernel.h"
-#include "serving_rows.h"
+#include "fp8_rows.h"
+#include "kernel.h"
+#include "qk_norm.h"
 
 namespace rope {
 
@@ -316,7 +316,7 @@ struct Avx2Head : ScalarTable {
     ScalarHead::rotate<double, Interleaved, double>(in, out, tab, r, D, copy_pass);
   }
 
-  // --- QK-RMSNorm + rotary (norm_kernel.h), one pass per head ---
+  // --- QK-RMSNorm + rotary (cpu/qk_norm.h), one pass per head ---
 
   // bf16: the weights of the rotated features in load16's lane order (as the
   // table's copy).
@@ -493,7 +493,7 @@ struct Avx2Head : ScalarTable {
 };
 
 // ---------------------------------------------------------------------------
-// Row kernel of the serving ops (serving_rows.h): eight lanes at a time,
+// Row kernel of the serving ops (cpu/fp8_rows.h): eight lanes at a time,
 // remainders element by element.
 
 // float8 bits of eight scaled and saturated floats (float_to_e4m3 /

@@ -1,5 +1,5 @@
-// The AVX-512 CPU kernel body, included by cpu_avx512.cpp (bf16 rounded with
-// integer instructions) and cpu_avx512_bf16.cpp (the AVX512_BF16 conversion).
+// The AVX-512 CPU kernel body, included by cpu/avx512.cpp (bf16 rounded with
+// integer instructions) and cpu/avx512_bf16.cpp (the AVX512_BF16 conversion).
 // Each includes it after its own target pragma, with ROPE_ISA naming its
 // build and ROPE_AVX512_HW_BF16 set to 0 or 1. Torch-free.
 //
@@ -9,7 +9,7 @@
 // two builds agree bit for bit wherever AVX2 runs whole vectors.
 #pragma once
 
-#include "cpu_kernel.h"
+#include "kernel.h"
 
 namespace rope {
 inline namespace ROPE_ISA {

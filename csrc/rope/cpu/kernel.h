@@ -1,6 +1,6 @@
 // CPU rotary kernel internals: the token loop, shared by the portable build
-// (cpu_kernel.cpp) and the vector builds (cpu_avx2.cpp, cpu_avx512*.cpp,
-// cpu_neon.cpp). Torch-free.
+// (cpu/kernel.cpp) and the vector builds (cpu/avx2.cpp, cpu/avx512*.cpp,
+// cpu/neon.cpp). Torch-free.
 //
 // Everything defined here lives in rope::ROPE_ISA (see rope.h): each
 // instruction set compiles its own copy under its own names.
@@ -10,13 +10,13 @@
 #include <limits>
 #include <vector>
 
-#include "rope.h"
+#include "../rope.h"
 
 namespace rope {
 namespace cpu {
 namespace detail {
 // The vector builds, one translation unit each, compiled for their own
-// instruction set: call one only when this CPU supports it (cpu_kernel.cpp
+// instruction set: call one only when this CPU supports it (cpu/kernel.cpp
 // checks). On another architecture their files compile to nothing and these
 // are not defined.
 void rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end);
@@ -25,7 +25,7 @@ void rotate_tokens_avx512_bf16(const RopeParams& p, int64_t begin, int64_t end);
 void rotate_tokens_neon(const RopeParams& p, int64_t begin, int64_t end);
 // The portable build.
 void rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t end);
-// The fused QK-RMSNorm + rotary (norm_kernel.h): portable and AVX2 builds.
+// The fused QK-RMSNorm + rotary (cpu/qk_norm.h): portable and AVX2 builds.
 void norm_rotate_tokens_scalar(const NormParams& np, int64_t begin, int64_t end);
 void norm_rotate_tokens_avx2(const NormParams& np, int64_t begin, int64_t end);
 }  // namespace detail

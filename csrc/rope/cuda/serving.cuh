@@ -1,6 +1,6 @@
-// CUDA bodies of the serving ops, torch-free, in the style of cuda_kernel.cuh:
+// CUDA bodies of the serving ops, torch-free, in the style of cuda/rotary.cuh:
 // a launch plan chosen on the host and host-device functions that one thread
-// (or one warp, in phases) runs. serving_launch.cu wraps them in __global__
+// (or one warp, in phases) runs. cuda/serving_launch.cu wraps them in __global__
 // kernels; csrc/ops/cuda_emulated.cpp runs them on the CPU over the same grid.
 //
 // RoPE + KV-cache write (cache_thread): the rotary tile of rotary_thread (a
@@ -17,8 +17,8 @@
 // rounds to the activation dtype, rotates and stores its units.
 #pragma once
 
-#include "cuda_kernel.cuh"
-#include "serving.h"
+#include "../serving.h"
+#include "rotary.cuh"
 
 namespace rope {
 namespace gpu {
@@ -160,31 +160,16 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
         const int64_t r0 = p.rot_offset;
         if (Interleaved) {
           constexpr bool VecPairs = Vectorized && (2 * P == V);
-          T x[2 * P], y[2 * P];
-          load_n<VecPairs>(in + r0 + 2 * j0, x);
-          ROPE_UNROLL
-          for (int k = 0; k < P; ++k) {
-            A y1, y2;
-            rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
-            y[2 * k] = Store<T>::from(y1);
-            y[2 * k + 1] = Store<T>::from(y2);
-          }
+          T y[2 * P];
+          rotate_unit<VecPairs>(in + r0, j0, cv, sv, y);
           if (to_q8)
             store_fp8(q8_out + r0 + 2 * j0, y, q_scale, cp.q_fp8);
           else
             store_n<VecPairs>(out + r0 + 2 * j0, y);
           if (to_cache) store_cache<VecPairs>(cp, cp.key_cache, k_scale, slot, hh, r0 + 2 * j0, y);
         } else {
-          T x1[P], x2[P], y1[P], y2[P];
-          load_n<Vectorized>(in + r0 + j0, x1);
-          load_n<Vectorized>(in + r0 + h + j0, x2);
-          ROPE_UNROLL
-          for (int k = 0; k < P; ++k) {
-            A a, b;
-            rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
-            y1[k] = Store<T>::from(a);
-            y2[k] = Store<T>::from(b);
-          }
+          T y1[P], y2[P];
+          rotate_unit<Vectorized>(in + r0, h, j0, cv, sv, y1, y2);
           if (to_q8) {
             store_fp8(q8_out + r0 + j0, y1, q_scale, cp.q_fp8);
             store_fp8(q8_out + r0 + h + j0, y2, q_scale, cp.q_fp8);

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "params.h"
+#include "../params.h"
 
 namespace rope {
 namespace cpu {
@@ -16,13 +16,13 @@ namespace cpu {
 // different threads at once.
 void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end);
 
-// RoPE + KV-cache write of tokens [begin, end) of `cp` (serving_cpu.cpp):
+// RoPE + KV-cache write of tokens [begin, end) of `cp` (cpu/kv_cache.cpp):
 // rotates q and k (q into cp.q8 when q_out is fp8), then stores rotated k and
 // v in the caches. Positions and slots must have been checked; distinct token
 // ranges may run on different threads at once (distinct slots assumed).
 void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end);
 
-// QK-RMSNorm + rotary of tokens [begin, end) of `np` (serving_cpu.cpp).
+// QK-RMSNorm + rotary of tokens [begin, end) of `np` (cpu/kv_cache.cpp).
 void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end);
 
 // Instruction sets of the CPU kernel, each a build of its own:

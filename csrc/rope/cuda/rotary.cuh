@@ -1,6 +1,6 @@
 // CUDA rotary kernel, torch-free: the launch shape (plan_launch) and the body
 // each thread runs (rotary_thread), a host-device function. The launcher
-// (cuda_launch.cu) calls it from a __global__ wrapper over the grid that
+// (cuda/rotary_launch.cu) calls it from a __global__ wrapper over the grid that
 // plan_launch chose; the host emulation (csrc/ops/cuda_emulated.cpp) calls it
 // over the same grid on the CPU, so the indexing is tested without a GPU.
 //
@@ -14,7 +14,7 @@
 
 #include <stdexcept>
 
-#include "rope.h"
+#include "../rope.h"
 
 namespace rope {
 namespace gpu {
@@ -24,6 +24,14 @@ struct Coord {
   int64_t bx, by, tx, ty;
   int64_t bdx, bdy, gdx, gdy;
 };
+
+#if defined(__CUDACC__)
+// The running thread's coordinates (what every __global__ wrapper passes its body).
+__device__ __forceinline__ Coord this_thread() {
+  return {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y,
+          blockDim.x, blockDim.y, gridDim.x,   gridDim.y};
+}
+#endif
 
 // A naturally aligned word of 4, 8 or 16 bytes: the unit of one vector
 // access (CUDA's built-in vector types on the GPU, so that nvcc emits single
@@ -313,6 +321,39 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
   }
 }
 
+// One unit of P interleaved pairs from pair j0 of a head's rotary part `in`:
+// y[2k], y[2k + 1] are pair j0 + k rotated by (cv[k], sv[k]).
+template <bool Vectorized, class T, class A, int P>
+ROPE_HD void rotate_unit(const T* in, int64_t j0, const A (&cv)[P], const A (&sv)[P],
+                         T (&y)[2 * P]) {
+  T x[2 * P];
+  load_n<Vectorized>(in + 2 * j0, x);
+  ROPE_UNROLL
+  for (int k = 0; k < P; ++k) {
+    A y1, y2;
+    rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
+    y[2 * k] = Store<T>::from(y1);
+    y[2 * k + 1] = Store<T>::from(y2);
+  }
+}
+
+// One unit of P half-split pairs from pair j0 (features j0 + k and h + j0 + k
+// of a head's rotary part `in`): y1[k], y2[k] are pair j0 + k rotated.
+template <bool Vectorized, class T, class A, int P>
+ROPE_HD void rotate_unit(const T* in, int64_t h, int64_t j0, const A (&cv)[P], const A (&sv)[P],
+                         T (&y1)[P], T (&y2)[P]) {
+  T x1[P], x2[P];
+  load_n<Vectorized>(in + j0, x1);
+  load_n<Vectorized>(in + h + j0, x2);
+  ROPE_UNROLL
+  for (int k = 0; k < P; ++k) {
+    A a, b;
+    rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
+    y1[k] = Store<T>::from(a);
+    y2[k] = Store<T>::from(b);
+  }
+}
+
 // The body of one CUDA thread.
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
 ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c) {
@@ -350,27 +391,13 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
         in += p.rot_offset;
         out += p.rot_offset;
         if (Interleaved) {
-          T x[2 * P], y[2 * P];
-          load_n<Vectorized && (2 * P == V)>(in + 2 * j0, x);
-          ROPE_UNROLL
-          for (int k = 0; k < P; ++k) {
-            A y1, y2;
-            rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
-            y[2 * k] = Store<T>::from(y1);
-            y[2 * k + 1] = Store<T>::from(y2);
-          }
-          store_n<Vectorized && (2 * P == V)>(out + 2 * j0, y);
+          constexpr bool VecPairs = Vectorized && (2 * P == V);
+          T y[2 * P];
+          rotate_unit<VecPairs>(in, j0, cv, sv, y);
+          store_n<VecPairs>(out + 2 * j0, y);
         } else {
-          T x1[P], x2[P], y1[P], y2[P];
-          load_n<Vectorized>(in + j0, x1);
-          load_n<Vectorized>(in + h + j0, x2);
-          ROPE_UNROLL
-          for (int k = 0; k < P; ++k) {
-            A a, b;
-            rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
-            y1[k] = Store<T>::from(a);
-            y2[k] = Store<T>::from(b);
-          }
+          T y1[P], y2[P];
+          rotate_unit<Vectorized>(in, h, j0, cv, sv, y1, y2);
           store_n<Vectorized>(out + j0, y1);
           store_n<Vectorized>(out + h + j0, y2);
         }

@@ -1,9 +1,9 @@
-// CPU kernel of the RoPE + KV-cache write (cpu.h). It works a token at a
+// CPU kernel of the RoPE + KV-cache write (cpu/cpu.h). It works a token at a
 // time, so that what the rotation writes is still in L1 for the row stores: the
 // rotation is the vectorized kernel of rotate_tokens, the fp8 quantization of
-// a row is the row kernel (serving_rows.h) of the same instruction set, or a
+// a row is the row kernel (cpu/fp8_rows.h) of the same instruction set, or a
 // table made by it (Fp8Tables), and the cache stores are row copies. (The
-// fused QK norm is norm_kernel.h.)
+// fused QK norm is cpu/qk_norm.h.)
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cpu.h"
-#include "serving_rows.h"
+#include "fp8_rows.h"
 
 namespace rope {
 namespace cpu {
@@ -20,8 +20,7 @@ namespace {
 // Tokens per step. One: a token's cache rows are written (and its v read)
 // right after its rotation, from L1, and the memory traffic of those rows
 // overlaps the next token's rotation. Steps of 8 tokens, which rotate 8 and
-// then write 8 tokens' rows, took 4-7% longer (4096-token prefill with
-// Llama-3-8B shapes, bf16 and fp8 caches, Zen 1).
+// then write 8 tokens' rows, were measured slower (benchmarks/cpu-serving.md).
 constexpr int64_t kStepTokens = 1;
 
 int64_t pos_size(const RopeParams& p) { return p.pos_int64 ? 8 : 4; }

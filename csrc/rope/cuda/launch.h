@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "params.h"
+#include "../params.h"
 
 namespace rope {
 namespace gpu {
@@ -26,11 +26,11 @@ namespace gpu {
 // problem (no token, no head) launches nothing.
 cudaError_t launch(const RopeParams& p, int num_sms, cudaStream_t stream);
 
-// RoPE + KV-cache write (serving_cuda.cuh: cache_thread) in one launch. A slot
+// RoPE + KV-cache write (cuda/serving.cuh: cache_thread) in one launch. A slot
 // outside the cache is skipped (never written); the scales are read on the device.
 cudaError_t launch_cache(const CacheParams& p, int num_sms, cudaStream_t stream);
 
-// QK-RMSNorm + rotary (serving_cuda.cuh: norm_phase1/2) in one launch.
+// QK-RMSNorm + rotary (cuda/serving.cuh: norm_phase1/2) in one launch.
 cudaError_t launch_norm(const NormParams& p, int num_sms, cudaStream_t stream);
 
 }  // namespace gpu

@@ -1,13 +1,13 @@
 // Row kernel of the serving ops on the CPU: the fp8 quantization of one row
 // (KV-cache rows, fp8 q). Two sets: the portable template here, and the AVX2
-// build (cpu_avx2.cpp), which the AVX-512 instruction sets use too. Both
+// build (cpu/avx2.cpp), which the AVX-512 instruction sets use too. Both
 // compute the same bits (saturate, round to nearest even). Torch-free.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#include "serving.h"
+#include "../serving.h"
 
 namespace rope {
 namespace cpu {
@@ -25,7 +25,7 @@ struct RowOps {
   void (*fence)();
 };
 
-// The row kernels of the instruction set in use (cpu_kernel.cpp).
+// The row kernels of the instruction set in use (cpu/kernel.cpp).
 const RowOps& row_ops();
 
 namespace detail {

@@ -1,7 +1,7 @@
 // The CUDA launchers of the serving ops: __global__ wrappers around the bodies
-// of serving_cuda.cuh, over the grids their plans choose.
-#include "cuda.h"
-#include "serving_cuda.cuh"
+// of cuda/serving.cuh, over the grids their plans choose.
+#include "launch.h"
+#include "serving.cuh"
 
 namespace rope {
 namespace gpu {
@@ -9,9 +9,7 @@ namespace {
 
 template <class T, class CS, class Pos, bool IL, bool Vec>
 __global__ void __launch_bounds__(256) cache_kernel(const CacheParams p, const CacheLaunch l) {
-  cache_thread<T, CS, Pos, IL, Vec>(p, l,
-                                    {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, blockDim.x,
-                                     blockDim.y, gridDim.x, gridDim.y});
+  cache_thread<T, CS, Pos, IL, Vec>(p, l, this_thread());
 }
 
 template <class T, class CS, class Pos, bool IL, bool Vec>

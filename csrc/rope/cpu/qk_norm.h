@@ -1,6 +1,6 @@
 // CPU kernel of the fused QK-RMSNorm + rotary: the token loop and the
-// portable head, shared by the portable build (cpu_kernel.cpp) and the AVX2
-// build (cpu_avx2.cpp, whose head type vectorizes the same steps). Per token,
+// portable head, shared by the portable build (cpu/kernel.cpp) and the AVX2
+// build (cpu/avx2.cpp, whose head type vectorizes the same steps). Per token,
 // the RMSNorm scale of each head (sum of squares), then one pass per head:
 // every feature normalised (x * rms * w, rounded to the storage type) and, for
 // the rotary features, rotated in registers before the one store. Torch-free.
@@ -17,8 +17,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_kernel.h"
-#include "serving.h"
+#include "../serving.h"
+#include "kernel.h"
 
 namespace rope {
 inline namespace ROPE_ISA {

@@ -1,8 +1,8 @@
 // aarch64 Advanced SIMD (NEON) build of the CPU kernel. Advanced SIMD is part
-// of every aarch64 CPU, so no run-time check is needed (cpu_kernel.cpp). On
+// of every aarch64 CPU, so no run-time check is needed (cpu/kernel.cpp). On
 // other architectures this file is empty.
 //
-// As in cpu_avx2.cpp, ROPE_ISA puts the rope headers' inline code in a
+// As in cpu/avx2.cpp, ROPE_ISA puts the rope headers' inline code in a
 // namespace of its own (rope::neon), apart from the portable copies.
 //
 // Numerics: all arithmetic in fp32 (fp64 for float64 inputs, by the portable
@@ -25,10 +25,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "params.h"
+#include "../params.h"
 #define ROPE_ISA neon
 
-#include "cpu_kernel.h"
+#include "kernel.h"
 
 namespace rope {
 inline namespace ROPE_ISA {

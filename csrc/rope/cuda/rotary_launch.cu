@@ -1,7 +1,7 @@
 // The CUDA launcher: one __global__ wrapper around rotary_thread per type
 // combination, over the grid plan_launch chooses.
-#include "cuda.h"
-#include "cuda_kernel.cuh"
+#include "launch.h"
+#include "rotary.cuh"
 
 namespace rope {
 namespace gpu {
@@ -9,9 +9,7 @@ namespace {
 
 template <class T, class CS, class Pos, bool IL, bool Vec>
 __global__ void __launch_bounds__(256) rotary_kernel(const RopeParams p, const Launch l) {
-  rotary_thread<T, CS, Pos, IL, Vec>(p, l,
-                                     {blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, blockDim.x,
-                                      blockDim.y, gridDim.x, gridDim.y});
+  rotary_thread<T, CS, Pos, IL, Vec>(p, l, this_thread());
 }
 
 }  // namespace
