@@ -36,6 +36,10 @@ $(EXT_STAMP): $(VENV)/.installed $(SOURCES)
 	@echo "== building the extension in place (a few minutes the first time; compiler lines in build/build.log)"
 	@$(PY) setup.py -q build_ext --inplace --parallel 3 > build/build.log 2>&1 || { tail -40 build/build.log; exit 1; }
 	@grep -E ": (warning|error):" build/build.log | head -20 || true
+	@echo "== installing the tree into $(VENV) in editable mode (import rope_ext and rope-bench from anywhere)"
+	@ROPE_EXT_METADATA_ONLY=1 $(PY) -m pip install -q -e . --no-build-isolation --no-deps >> build/build.log 2>&1 \
+		|| { tail -20 build/build.log; exit 1; }
+	@rm -f build/.ext-stamp*  # the other configuration's libraries (with or without CUDA) are replaced
 	touch $@
 
 # Test files run side by side, PYTEST_WORKERS at a time (pytest-xdist; a file stays on one worker, so
@@ -95,7 +99,10 @@ test-sanitize: install
 		$(SAN_ENV) ROPE_EXT_CPU_ISA=$$isa $(SAN_PYTEST) -k "not emu" $(SAN_ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
-bench: build
+# Without an NVIDIA GPU, `make bench` builds the CPU libraries only (make test and CI still build CUDA).
+GPU := $(shell nvidia-smi -L 2>/dev/null | head -1)
+bench: install
+	@$(MAKE) --no-print-directory build $(if $(GPU),,ROPE_EXT_CPU_ONLY=1 EXT_STAMP=build/.ext-stamp-cpu)
 	$(PY) -m rope_ext.bench --quick $(BENCH_ARGS)
 
 lint: install

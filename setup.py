@@ -15,6 +15,8 @@ Environment:
   TORCH_CUDA_ARCH_LIST      CUDA architectures; default: the visible GPU's, else cmake/cuda_arch_list.txt
                             ("8.0;9.0+PTX", the list CMake uses too)
   CUDA_HOME                 CUDA toolkit; default /usr/local/cuda when it exists
+  ROPE_EXT_METADATA_ONLY=1  build no library: `make` installs the tree in editable mode this way
+                            (metadata, the rope-bench command) over the libraries it built in place
 
 Wheel: `pip wheel --no-build-isolation .` (or `python -m build --wheel --no-isolation`) gives a
 cp310-abi3 wheel.
@@ -109,10 +111,12 @@ class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
     def run(self):
         # build/lib is shared by every build of this tree: drop the libraries this build does not make
         # (a test build's _C_testing, another Python's module), so that a wheel holds exactly its own.
+        # An in-place build replaces the tree's libraries the same way (a CPU-only build drops _C_cuda).
         wanted = {self.get_ext_filename(e.name) for e in self.extensions}
-        for old in glob.glob(os.path.join(self.build_lib, "rope_ext", "_C*.so")):
-            if os.path.relpath(old, self.build_lib) not in wanted:
-                os.remove(old)
+        for lib in ([self.build_lib] + (["."] if self.inplace else [])) if wanted else []:
+            for old in glob.glob(os.path.join(lib, "rope_ext", "_C*.so")):
+                if os.path.relpath(old, lib) not in wanted:
+                    os.remove(old)
         super().run()
 
     # build_temp as the running extension's folder: a per-thread value, as `build_ext --parallel` builds
@@ -136,7 +140,7 @@ class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
 
 
 setup(
-    ext_modules=extensions(),
+    ext_modules=[] if os.environ.get("ROPE_EXT_METADATA_ONLY") == "1" else extensions(),
     cmdclass={"build_ext": BuildExt},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )
