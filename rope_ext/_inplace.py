@@ -1,7 +1,7 @@
 """Autograd's refusals of an in-place op, checked before the ops write.
 
-The differentiable in-place paths rotate first and record the rotation in autograd after (ops.py,
-``_RotatedInPlace``); autograd checks an in-place op only when recording it. What it would refuse is
+The differentiable in-place paths rotate first and record the rotation in autograd after (autograd.py,
+``record_rotation``); autograd checks an in-place op only when recording it. What it would refuse is
 refused here first, so that a rejected call leaves every tensor as it was.
 """
 

@@ -35,10 +35,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .specs import CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
 
 __all__ = ["register_sharding_rules", "register_sharding_rules_on_import"]
 
@@ -136,11 +138,6 @@ def _token_placements(q: Any, positions: Any, mrope: bool) -> list[tuple[Any, An
     return out
 
 
-def _mrope(args: Sequence[Any], kwargs: dict[str, Any], index: int) -> bool:
-    section = args[index] if len(args) > index else kwargs.get("mrope_section")
-    return section is not None
-
-
 def register_sharding_rules() -> bool:
     """Registers the rules above for every rope_ext op (once); False when torch.distributed is missing."""
     global _registered
@@ -148,82 +145,83 @@ def register_sharding_rules() -> bool:
         return True
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
     if _registered:  # the import above was the first: the import hook has registered them
         return True
 
-    ops = torch.ops.rope_ext
     R = Replicate()
 
-    @register_sharding(ops.rotary.default)
-    def _rotary(x, positions, cos_sin, *rest, **kwargs):
-        none = [None] * len(rest)
-        return [([p], [p, pp, R, *none]) for p, pp in _placements(x, positions, _mrope(rest, kwargs, 3))]
+    def rule(spec: OpSpec) -> Callable[[Callable[[Any], Any]], None]:
+        """Registers the decorated function as the rule of every overload of ``spec``. It takes the call's
+        arguments by name and returns (output placements, {argument name: placement}) pairs; an argument it
+        does not name gets None (a non-tensor, or a tensor option not given)."""
 
-    @register_sharding(ops.rotary_qk.default)
-    def _rotary_qk(q, k, positions, cos_sin, *rest, **kwargs):
-        none = [None] * len(rest)
+        def register(fn: Callable[[Any], Any]) -> None:
+            def sharding(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
+                names = spec.names[: len(args)]
+                return [(outs, [ins.get(n) for n in names]) for outs, ins in fn(spec.bind(args, kwargs))]
+
+            register_sharding(list(spec.overloads))(sharding)
+
+        return register
+
+    def mrope(a: Any) -> bool:
+        return a.mrope_section is not None
+
+    @rule(ROTARY)
+    def _rotary(a):
         return [
-            ([p, p], [p, p, pp, R, *none]) for p, pp in _placements(q, positions, _mrope(rest, kwargs, 3))
+            ([p], {"x": p, "positions": pp, "cos_sin": R})
+            for p, pp in _placements(a.x, a.positions, mrope(a))
         ]
 
-    @register_sharding(ops.rotary_qk_.plain)
-    @register_sharding(ops.rotary_qk_.default)
-    def _rotary_qk_inplace(q, k, positions, cos_sin, *rest, **kwargs):
-        none = [None] * len(rest)
+    @rule(ROTARY_QK)
+    def _rotary_qk(a):
         return [
-            ([], [p, None if k is None else p, pp, R, *none])
-            for p, pp in _placements(q, positions, _mrope(rest, kwargs, 3))
+            ([p, p], {"q": p, "k": p, "positions": pp, "cos_sin": R})
+            for p, pp in _placements(a.q, a.positions, mrope(a))
         ]
 
-    def norm_inputs(p, pp, n_rest):
-        return [p, p, R, R, pp, R, *([None] * n_rest)]
-
-    @register_sharding(ops.qk_norm_rotary.default)
-    def _qk_norm_rotary(q, k, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
+    @rule(ROTARY_QK_)
+    def _rotary_qk_inplace(a):
         return [
-            ([p, p], norm_inputs(p, pp, len(rest)))
-            for p, pp in _token_placements(q, positions, _mrope(rest, kwargs, 4))
+            ([], {"q": p, "k": None if a.k is None else p, "positions": pp, "cos_sin": R})
+            for p, pp in _placements(a.q, a.positions, mrope(a))
         ]
 
-    @register_sharding(ops.qk_norm_rotary_.default)
-    def _qk_norm_rotary_inplace(q, k, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
-        return [
-            ([], norm_inputs(p, pp, len(rest)))
-            for p, pp in _token_placements(q, positions, _mrope(rest, kwargs, 4))
-        ]
+    def norm_inputs(p: Any, pp: Any) -> dict[str, Any]:
+        return {"q": p, "k": p, "q_weight": R, "k_weight": R, "positions": pp, "cos_sin": R}
 
-    @register_sharding(ops.qk_norm_rotary_packed_.plain)
-    @register_sharding(ops.qk_norm_rotary_packed_.default)
-    def _qk_norm_rotary_packed(qkv, hq, hk, hv, q_weight, k_weight, positions, cos_sin, *rest, **kwargs):
-        from torch.distributed.tensor import Shard
+    @rule(QK_NORM)
+    def _qk_norm_rotary(a):
+        return [([p, p], norm_inputs(p, pp)) for p, pp in _token_placements(a.q, a.positions, mrope(a))]
 
+    @rule(QK_NORM_)
+    def _qk_norm_rotary_inplace(a):
+        return [([], norm_inputs(p, pp)) for p, pp in _token_placements(a.q, a.positions, mrope(a))]
+
+    @rule(QK_NORM_PACKED_)
+    def _qk_norm_rotary_packed(a):
         # a packed row mixes q, k and v heads: tokens are sharded (with per-token positions), never heads
-        lead = 1 if _mrope(rest, kwargs, 4) else 0
-        none = [None] * len(rest)
-        pos_tok = Shard(lead) if positions.shape[lead] > 1 else R
+        lead = 1 if mrope(a) else 0
+        pos_tok = Shard(lead) if a.positions.shape[lead] > 1 else R
+        weights = {"q_weight": R, "k_weight": R, "cos_sin": R}
         return [
-            ([], [R, None, None, None, R, R, R, R, *none]),
-            ([], [Shard(0), None, None, None, R, R, pos_tok, R, *none]),
+            ([], {"qkv": R, "positions": R, **weights}),
+            ([], {"qkv": Shard(0), "positions": pos_tok, **weights}),
         ]
 
-    @register_sharding(ops.rotary_qk_cache_.scaled)
-    @register_sharding(ops.rotary_qk_cache_.plain)
-    @register_sharding(ops.rotary_qk_cache_.default)
-    def _rotary_qk_cache(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, *rest, **kwargs):
-        from torch.distributed.tensor import Shard
+    @rule(CACHE)
+    def _rotary_qk_cache(a):
+        cache_heads = 2 if a.layout == "NHD" else 1
 
-        # rest: k_scale, v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section, ...
-        layout = rest[5] if len(rest) > 5 else kwargs.get("layout", "NHD")
-        cache_heads = 2 if layout == "NHD" else 1
-
-        def inputs(x, c):
-            opt = [None if t is None else R for t in rest[:4]]
-            if len(rest) > 2 and rest[2] is not None:
-                opt[2] = x  # q_out, placed like q
-            return [x, x, x, R, R, c, c, R, *opt, *([None] * max(0, len(rest) - 4))]
+        def inputs(x: Any, c: Any) -> dict[str, Any]:
+            scales = {n: R for n in ("k_scale", "v_scale", "q_scale") if getattr(a, n) is not None}
+            q_out = {} if a.q_out is None else {"q_out": x}  # placed like q
+            fixed = {"positions": R, "cos_sin": R, "slot_mapping": R}
+            return {"q": x, "k": x, "v": x, "key_cache": c, "value_cache": c, **fixed, **scales, **q_out}
 
         return [([], inputs(R, R)), ([], inputs(Shard(1), Shard(cache_heads)))]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops as _ops_module
+from .checks import position_checks
 
 __all__ = ["varlen_positions"]
 
@@ -144,9 +144,7 @@ def varlen_positions(
     cu = cu_seqlens.to(torch.int64)
     compiling = torch.compiler.is_compiling()
     last = None
-    if not compiling and (
-        device.type == "cpu" or (_ops_module._check_positions_on_device and device.type != "meta")
-    ):
+    if not compiling and (device.type == "cpu" or (position_checks.on_device and device.type != "meta")):
         last = _check_values(cu, cp_size, total_tokens)
     if total_tokens is None:
         if device.type == "meta":

@@ -8,7 +8,7 @@ import shutil
 import torch
 
 import rope_ext
-from rope_ext.ops import _built_with_cuda
+from rope_ext.specs import built_with_cuda
 
 OPS = ["rotary", "rotary_qk", "rotary_qk_"]
 
@@ -21,7 +21,7 @@ def _nvcc_available() -> bool:
 
 
 def test_cuda_kernels_registered_when_nvcc_found():
-    built = _built_with_cuda()
+    built = built_with_cuda()
     if _nvcc_available() and os.environ.get("ROPE_EXT_CPU_ONLY") != "1":
         assert built, "nvcc is available but the extension was built without its CUDA kernels"
     for op in OPS:
@@ -48,13 +48,13 @@ def test_cuda_vector_path_uses_128_bit_accesses():
     import re
     import subprocess
 
-    if not _built_with_cuda():
+    if not built_with_cuda():
         import pytest
 
         pytest.skip("built without CUDA")
     tool = _cuobjdump()
     assert tool is not None, "no cuobjdump to inspect the CUDA build"
-    so = rope_ext.ops._CUDA_LIBRARY
+    so = rope_ext.specs.CUDA_LIBRARY
     sass = subprocess.run([tool, "-sass", so], capture_output=True, text=True, check=True).stdout
     kernels = re.split(r"\n\s*Function : ", sass)[1:]
     vec = [k for k in kernels if re.search(r"rotary_kernel\w*Lb[01]ELb1E", k.split("\n", 1)[0])]

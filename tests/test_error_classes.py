@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rope_ext
-from rope_ext.ops import TYPE_ERROR_TAG
+from rope_ext.checks import TYPE_ERROR_TAG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CS = rope_ext.RopeCache(16, max_positions=32).cos_sin

@@ -3,7 +3,7 @@ portable path.
 
 * ``csrc/rope`` (kernels) includes nothing from torch or ``csrc/ops``, and compiles with a plain C++
   compiler and no torch headers; ``csrc/ops`` includes only ``csrc/rope`` headers, its own and torch's;
-  ``registration.cpp`` (the schemas) includes no kernel header; only ``rope_ext/ops.py`` imports ``_C``.
+  ``registration.cpp`` (the schemas) includes no kernel header; only ``rope_ext/specs.py`` imports ``_C``.
 * ``cpu/avx2.cpp`` is compiled for AVX2/FMA/F16C, ``cpu/avx512.cpp`` and ``cpu/avx512_bf16.cpp`` for
   AVX-512. Every function a vector build emits with those instructions must be its own
   (``rope::<isa>::...`` or its entry point ``rope::cpu::detail::rotate_tokens_<isa>``): a vector copy of a
@@ -83,7 +83,7 @@ def test_python_package_imports_the_extension_in_one_place():
         for p in (ROOT / "rope_ext").rglob("*.py")
         if pattern.search(p.read_text())
     ]
-    assert importers == ["rope_ext/ops.py"]
+    assert importers == ["rope_ext/specs.py"]
 
 
 needs_x86_gcc = pytest.mark.skipif(

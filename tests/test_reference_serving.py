@@ -11,6 +11,7 @@ import torch
 
 import rope_ext
 from rope_ext import reference
+from rope_ext.bench.baselines import hf_apply_rotary_pos_emb
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # NaNs with a payload: guard values whose bits must survive untouched.
@@ -113,7 +114,7 @@ def _eager(qkv, heads, d, q_weight, k_weight, positions, cos_sin, eps, interleav
         return w * hf.to(dtype)
 
     cos, sin = _cos_sin_rows(cos_sin, positions, interleaved, dtype)
-    qr, kr = reference.hf_apply_rotary_pos_emb(norm(q, q_weight), norm(k, k_weight), cos, sin, interleaved)
+    qr, kr = hf_apply_rotary_pos_emb(norm(q, q_weight), norm(k, k_weight), cos, sin, interleaved)
     return torch.cat([qr, kr, v], dim=1).reshape(qkv.shape)
 
 
@@ -150,7 +151,7 @@ def test_qk_norm_rotary_hand_composition(dtype, heads, d, rotary_dim, interleave
 
     cos, sin = _cos_sin_rows(cos_sin, positions, interleaved, torch.float64)
     nq, nk = norm(q, q_weight), norm(k, k_weight)
-    eq, ek = reference.hf_apply_rotary_pos_emb(nq.double(), nk.double(), cos, sin, interleaved)
+    eq, ek = hf_apply_rotary_pos_emb(nq.double(), nk.double(), cos, sin, interleaved)
     assert torch.equal(oq, eq.to(dtype))
     assert torch.equal(ok, ek.to(dtype))
     assert torch.equal(oq[..., rotary_dim:], nq[..., rotary_dim:])

@@ -87,13 +87,13 @@ f = torch.compile(lambda a, b: rope_ext.apply_rotary_qk(a, b, pos, cs), fullgrap
 qc, kc = f(q, k)
 assert torch.equal(qc, rope_ext.apply_rotary(q, pos, cs))
 # The CUDA kernels: registered when this torch has CUDA and the wheel has them (argv[2]), never loaded else.
-cuda = rope_ext.ops._built_with_cuda()
+cuda = rope_ext.specs.built_with_cuda()
 assert cuda == (torch.version.cuda is not None and sys.argv[2] == "1"), cuda
 has = torch._C._dispatch_has_kernel_for_dispatch_key
 for op in ("rotary", "rotary_qk", "rotary_qk_"):
     assert has(f"rope_ext::{op}", "CPU") and has(f"rope_ext::{op}", "CUDA") == cuda
 assert not hasattr(torch.ops.rope_ext, "_cuda_emulated")
-print("cuda kernels", rope_ext.ops._built_with_cuda(), "ok")
+print("cuda kernels", rope_ext.specs.built_with_cuda(), "ok")
 """
 
 
@@ -173,7 +173,7 @@ def test_wheel_runs_under_another_torch_release(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     libs = sorted(n for n in names if n.endswith(".so"))
     expected = ["rope_ext/_C.abi3.so"] + (
-        ["rope_ext/_C_cuda.abi3.so"] if rope_ext.ops._built_with_cuda() else []
+        ["rope_ext/_C_cuda.abi3.so"] if rope_ext.specs.built_with_cuda() else []
     )
     assert libs == expected, libs
 

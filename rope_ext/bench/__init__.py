@@ -20,6 +20,7 @@ references, validated against :func:`rope_ext.reference.qk_norm_rotary`).
 
 The parts:
 
+* :mod:`.baselines` - the HF-style eager formula (the baseline, in the input dtype);
 * :mod:`.presets` - model presets (attention shapes), default token counts, dtypes, modes (the serving
   modes, the KV-cache block size);
 * :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`; the
@@ -41,8 +42,7 @@ Adding a provider is one small function decorated with :func:`provider`; see the
 
 from __future__ import annotations
 
-from rope_ext.reference import hf_apply_rotary_pos_emb, hf_rotate_every_two, hf_rotate_half
-
+from .baselines import hf_apply_rotary_pos_emb, hf_rotate_every_two, hf_rotate_half
 from .ceilings import CEILING_FOR_MODE, ceiling_bytes, noop_op
 from .cli import config_from_args, main, parse_args
 from .parts import PART_OF, parts

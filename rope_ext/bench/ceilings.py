@@ -43,7 +43,7 @@ def noop_op() -> Callable[..., None]:
     Defined with ``torch.library`` (a Python kernel registered for every backend), called as
     ``torch.ops.rope_bench.noop_qk_.default(...)``: the dispatcher, the schema's argument parsing and the
     return to Python are paid exactly as for the real op; only the kernel body is empty (its Python
-    body costs a little more than a C++ one would, so the floor is generous by ~1 us).
+    body costs a little more than a C++ one would, so the floor is generous by about one Python call).
     """
     global _noop_lib
     if _noop_lib is None:

@@ -1,6 +1,6 @@
 """The HF-style references: transformers' eager formula (the baseline) and its ``torch.compile``.
 
-The formula is :func:`rope_ext.reference.hf_apply_rotary_pos_emb`, in the input dtype.
+The formula is :func:`rope_ext.bench.baselines.hf_apply_rotary_pos_emb`, in the input dtype.
 
 ``qknorm`` mode, on views of the packed qkv, written back into it (:func:`qk_norm_rotary_unfused`):
 
@@ -8,11 +8,10 @@ The formula is :func:`rope_ext.reference.hf_apply_rotary_pos_emb`, in the input 
   (:func:`hf_rms_norm`) copied back into q and k, then ``rope_ext.apply_rotary_qk_`` on them;
 * ``torch.compile unfused``: ``torch.compile`` (compiled and warmed up at build) of the pure-torch
   function :func:`qk_norm_rotary_unfused` (that norm, then
-  :func:`~rope_ext.reference.hf_apply_rotary_pos_emb`, ``rotate_half``) on the q and k views, whose
+  :func:`~rope_ext.bench.baselines.hf_apply_rotary_pos_emb`, ``rotate_half``) on the q and k views, whose
   results are then ``copy_``-ed back into them, in the same timed call. The copy stays outside the graph:
-  Inductor's in-graph ``copy_`` into the strided views measured slower on the CPU (a 4096-token bf16
-  Llama-3-8B prefill on 2 shared cores: 0.2-0.3 s copying in the graph into the q and k views, 0.6-0.9 s
-  into the whole qkv, 0.16-0.23 s returned and copied eagerly). Its cos/sin are gathered by position and
+  on the CPU, Inductor's in-graph ``copy_`` into the strided views (or into the whole qkv) is slower than
+  returning the results and copying them eagerly. Its cos/sin are gathered by position and
   cast once, outside the timed call (as for ``hf-compile``: HF builds them once per forward). Both
   choices favour the reference.
 """
@@ -28,8 +27,8 @@ import torch
 from torch import Tensor
 
 import rope_ext
-from rope_ext.reference import hf_apply_rotary_pos_emb
 
+from ..baselines import hf_apply_rotary_pos_emb
 from ..workloads import Case
 from . import Runner, Skip, provider
 

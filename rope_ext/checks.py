@@ -1,0 +1,240 @@
+"""The Python checks of the public ops, run before an op (they write nothing).
+
+The kernels check every argument themselves (csrc/ops/binding.cpp); the checks here are the ones the
+Python API adds: a non-tensor argument raises ``TypeError`` naming it (the boxed call would raise a
+``RuntimeError`` about the schema), option values of the wrong Python type are refused instead of being
+coerced, and, with :func:`set_position_checks`, eager CUDA calls check positions and slots on the host.
+Each op's checks (run by ``specs.OpSpec.check`` after the tensor arguments' types) take the op's
+arguments by name (a named tuple in schema order) and return them as the op takes them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FP8_DTYPES",
+    "TYPE_ERROR_TAG",
+    "cache_args",
+    "position_checks",
+    "qk_norm_args",
+    "qk_norm_packed_args",
+    "require_tensor",
+    "retyped",
+    "rotary_args",
+    "set_position_checks",
+    "split_qkv",
+    "typed_errors",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_is_compiling = torch.compiler.is_compiling
+
+
+class _PositionChecks:
+    """Whether eager CUDA calls check positions (and slots) on the host (:func:`set_position_checks`).
+
+    One object that the modules import by name: every eager fast path reads ``on_device`` (and leaves
+    such calls to the checked path), so it is an attribute read, not a function call.
+    """
+
+    __slots__ = ("on_device",)
+
+    def __init__(self) -> None:
+        self.on_device = False
+
+
+position_checks = _PositionChecks()
+
+
+def set_position_checks(enabled: bool) -> None:
+    """Raise ``IndexError`` for out-of-cache positions on CUDA too.
+
+    CPU ops always check positions before writing. CUDA ops do not by default, since the check
+    synchronises with the device: a position outside ``[0, cos_sin.shape[0])`` then yields NaN in
+    that token's rotated features (never an out-of-bounds access). With checks enabled, eager calls
+    on CUDA check first (one synchronisation per call); compiled graphs are not affected.
+    """
+    position_checks.on_device = bool(enabled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Error classes.
+
+# The tag that starts the message of a C++ check rejecting a type or dtype (csrc/ops/binding.h, TypeError).
+# The stable ABI carries standard exceptions only, so the bare ops raise them as ValueError with the tag;
+# the API raises TypeError without it.
+TYPE_ERROR_TAG = "[type] "
+
+
+def retyped(e: Exception) -> Exception:
+    """``e`` as the API raises it: a tagged ValueError of the ops as TypeError, anything else as it is."""
+    if isinstance(e, ValueError):
+        msg = str(e)
+        if msg.startswith(TYPE_ERROR_TAG):
+            return TypeError(msg[len(TYPE_ERROR_TAG) :])
+    return e
+
+
+def typed_errors(fn):
+    """``fn`` raising TypeError for the ops' type errors (eager; traced calls raise from the fake kernels)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            raise retyped(e) from None
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def require_tensor(name: str, value, optional: bool = False) -> None:
+    """Raises ``TypeError`` naming the argument unless ``value`` is a tensor (or None, when ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _require_offset(rotary_offset) -> None:
+    if type(rotary_offset) is not int:
+        raise TypeError(f"rotary_offset must be an int, got {type(rotary_offset).__name__}")
+
+
+def _require_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+
+
+def _sections(mrope_section) -> list[int] | None:
+    """``mrope_section`` as the op takes it (a list of ints), or None."""
+    if mrope_section is None:
+        return None
+    if isinstance(mrope_section, Tensor) or not all(type(v) is int for v in mrope_section):
+        raise TypeError(f"mrope_section must be a sequence of 3 ints, got {mrope_section!r}")
+    return list(mrope_section)
+
+
+def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
+    """Eager CUDA calls with position checks on (:func:`set_position_checks`; the callers test it) check
+    positions on the host."""
+    if positions.device.type != "cpu" and positions.numel() > 0 and not _is_compiling():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin.shape[0]:
+            bad = lo if lo < 0 else hi
+            raise IndexError(
+                f"positions must be in [0, cos_sin.shape[0]) = [0, {cos_sin.shape[0]}), got {bad}"
+            )
+
+
+def _slots_in_range(slot_mapping: Tensor, key_cache: Tensor, layout: str) -> None:
+    """With position checks on (the caller tests it), eager CUDA calls check slots too."""
+    if (
+        slot_mapping.device.type != "cpu"
+        and slot_mapping.numel() > 0
+        and not _is_compiling()
+        and key_cache.dim() == 4
+    ):
+        n = key_cache.shape[0] * key_cache.shape[1 if layout == "NHD" else 2]
+        bad = (slot_mapping < -1) | (slot_mapping >= n)
+        if bool(bad.any()):
+            value = int(slot_mapping[bad][0])
+            raise IndexError(
+                f"slot_mapping must hold -1 or slots in [0, num_blocks * block_size) = [0, {n}), got {value}"
+            )
+
+
+def _no_grad_wanted(**tensors: Tensor | None) -> None:
+    names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and names:
+        raise RuntimeError(
+            f"{', '.join(names)} requires grad, but apply_rotary_qk_and_cache_ is an inference op and "
+            "records no gradient; call it under torch.no_grad() (or use apply_rotary_qk for training)"
+        )
+
+
+def split_qkv(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int) -> tuple[Tensor, Tensor]:
+    """Views ``q [T, Hq, D]``, ``k [T, Hk, D]`` of a packed ``qkv [T, (Hq+Hk+Hv)*D]``."""
+    require_tensor("qkv", qkv)
+    counts = (num_heads_q, num_heads_k, num_heads_v)
+    if any(type(h) is not int or h < 0 for h in counts) or not (num_heads_q and num_heads_k):
+        raise ValueError(f"head counts must be ints, q and k >= 1, v >= 0; got {counts}")
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be [T, (Hq+Hk+Hv)*D], got shape {list(qkv.shape)}")
+    if not qkv.is_floating_point() or qkv.dtype in FP8_DTYPES:
+        raise TypeError(
+            f"qkv must be a floating tensor (float32, float64, float16 or bfloat16), got {qkv.dtype}"
+        )
+    heads = sum(counts)
+    width = qkv.shape[-1]
+    if width % heads:
+        raise ValueError(f"qkv.shape[-1] = {width} is not a multiple of Hq+Hk+Hv = {heads}")
+    d = width // heads
+    q = qkv[:, : num_heads_q * d].unflatten(-1, (num_heads_q, d))
+    k = qkv[:, num_heads_q * d : (num_heads_q + num_heads_k) * d].unflatten(-1, (num_heads_k, d))
+    return q, k
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks of each op, after its tensor arguments' types (``specs.OpSpec.check``). Each takes the op's
+# arguments by name (a named tuple in schema order) and returns them as the op takes them.
+
+
+def rotary_args(a):
+    """``rotary``, ``rotary_qk``, ``rotary_qk_``."""
+    _require_offset(a.rotary_offset)
+    if a.mrope_section is not None:
+        a = a._replace(mrope_section=_sections(a.mrope_section))
+    if position_checks.on_device:
+        _positions_in_range(a.positions, a.cos_sin)
+    return a
+
+
+def cache_args(a):
+    """``rotary_qk_cache_`` (``apply_rotary_qk_and_cache_``)."""
+    _require_offset(a.rotary_offset)
+    if not isinstance(a.layout, str):
+        raise TypeError(f"layout must be 'NHD' or 'HND', got {type(a.layout).__name__}")
+    if a.mrope_section is not None:
+        a = a._replace(mrope_section=_sections(a.mrope_section))
+    _no_grad_wanted(q=a.q, k=a.k, v=a.v, q_out=a.q_out, key_cache=a.key_cache, value_cache=a.value_cache)
+    if position_checks.on_device:
+        _positions_in_range(a.positions, a.cos_sin)
+        _slots_in_range(a.slot_mapping, a.key_cache, a.layout)
+    return a
+
+
+def qk_norm_args(a):
+    """``qk_norm_rotary`` and ``qk_norm_rotary_`` (``apply_qk_norm_rotary``)."""
+    _require_offset(a.rotary_offset)
+    _require_float("eps", a.eps)
+    _require_float("weight_offset", a.weight_offset)
+    if not (type(a.eps) is type(a.weight_offset) is float and a.mrope_section is None):
+        a = a._replace(
+            eps=float(a.eps), weight_offset=float(a.weight_offset), mrope_section=_sections(a.mrope_section)
+        )
+    if position_checks.on_device:
+        _positions_in_range(a.positions, a.cos_sin)
+    return a
+
+
+def qk_norm_packed_args(a):
+    """``qk_norm_rotary_packed_`` (``apply_qk_norm_rotary_``): the head counts split qkv, which has no
+    overlapping elements (it is written in place), then as :func:`qk_norm_args`."""
+    split_qkv(a.qkv, a.num_heads_q, a.num_heads_k, a.num_heads_v)
+    if not _is_compiling() and torch._debug_has_internal_overlap(a.qkv) == 1:
+        raise ValueError(
+            "qkv has elements that overlap in memory (expanded or stride-0 view, strides "
+            f"{list(a.qkv.stride())}); it is written in place"
+        )
+    return qk_norm_args(a)

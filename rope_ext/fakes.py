@@ -1,0 +1,198 @@
+"""Fake kernels of the ops (shapes only) for torch.compile, FakeTensor and the meta device.
+
+Each checks what the real kernels check without reading values (shapes, dtypes, devices; the same
+exception types) and returns outputs of the shapes the kernels allocate. One per op, registered for every
+overload of it (:func:`fake_kernel`): a short overload's omitted options read as their defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .checks import FP8_DTYPES, split_qkv
+from .positions import positions_shape
+from .specs import CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+
+__all__ = ["empty_output", "fake_kernel"]
+
+
+def fake_kernel(spec: OpSpec) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
+    """Registers the decorated function, which takes the arguments by name (``spec.Args``), as the fake
+    kernel of every overload of ``spec``."""
+
+    def register(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def fake(*args, **kwargs):
+            return fn(spec.bind(args, kwargs))
+
+        for overload in spec.overloads:
+            torch.library.register_fake(overload, fake)
+        return fn
+
+    return register
+
+
+def empty_output(x: Tensor) -> Tensor:
+    """The output the kernels allocate: ``empty_like(x)``, row-major if that leaves the last dim strided."""
+    out = torch.empty_like(x)
+    if out.dim() > 0 and out.shape[-1] > 1 and out.stride(-1) != 1:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out
+
+
+def _rotated(x: Tensor, positions: Tensor, a: Any, name: str, token_major: bool = False) -> None:
+    """The checks of a rotated tensor ``x`` with ``positions`` (of section 0) and the call's ``a.cos_sin``
+    and ``a.rotary_offset``."""
+    cos_sin = a.cos_sin
+    for arg, t in ((name, x), ("positions", positions), ("cos_sin", cos_sin)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{arg} must be a tensor, got {type(t).__name__}")
+    # Mixed devices that include "meta" dispatch here rather than to a real kernel: reject them
+    # as the real kernels do (else the call would return garbage or skip an in-place rotation).
+    for arg, t in (("positions", positions), ("cos_sin", cos_sin)):
+        if t.device != x.device:
+            raise ValueError(f"{arg} must be on the device of {name} ({x.device}), got {t.device}")
+    torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
+    torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
+    positions_shape(positions.shape, x.shape[:-1], name, token_major)
+    if not 0 <= a.rotary_offset <= x.shape[-1] - cos_sin.shape[-1]:
+        raise ValueError(
+            f"rotary_offset must be in [0, head_dim - rotary_dim] = [0, {x.shape[-1] - cos_sin.shape[-1]}], "
+            f"got {a.rotary_offset}"
+        )
+
+
+def _on_device_of(q: Tensor, name: str, t: Any) -> None:
+    """Raises ``ValueError`` unless ``t`` (a tensor, or None) is on q's device (as the real kernels do)."""
+    if t is not None and t.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+
+
+def _rotated_qk(a: Any, q: Tensor, k: Tensor | None, token_major: bool = False) -> Tensor:
+    """The checks of q and k (``None``: no k), rotated by the same positions; returns the positions of
+    section 0."""
+    positions = _section_positions(a)
+    _rotated(q, positions, a, "q", token_major)
+    if k is not None:
+        if not isinstance(k, Tensor):
+            raise TypeError(f"k must be a tensor, got {type(k).__name__}")
+        _on_device_of(q, "k", k)
+        _rotated(k, positions, a, "k", token_major)
+    return positions
+
+
+def _section_positions(a: Any) -> Tensor:
+    """The kernels' MRoPE checks; returns the positions of section 0 (what broadcasts to x)."""
+    positions, mrope_section = a.positions, a.mrope_section
+    if mrope_section is None:
+        if a.mrope_interleaved:
+            raise ValueError("mrope_interleaved needs mrope_section")
+        return positions
+    half = a.cos_sin.shape[-1] // 2
+    if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != half:
+        raise ValueError(
+            "mrope_section must be 3 non-negative ints (temporal, height, width) summing to "
+            f"rotary_dim / 2 = {half}, got {list(mrope_section)}"
+        )
+    if positions.dim() < 1 or positions.shape[0] != 3:
+        raise ValueError(
+            "positions must have a leading section dim of size 3 ([3, ...]) with mrope_section, "
+            f"got shape {list(positions.shape)}"
+        )
+    return positions[0]
+
+
+@fake_kernel(ROTARY)
+def _rotary(a):
+    _rotated(a.x, _section_positions(a), a, "x")
+    return empty_output(a.x)
+
+
+@fake_kernel(ROTARY_QK)
+def _rotary_qk(a):
+    _rotated_qk(a, a.q, a.k)
+    return empty_output(a.q), empty_output(a.k)
+
+
+@fake_kernel(ROTARY_QK_)
+def _rotary_qk_inplace(a):
+    _rotated_qk(a, a.q, a.k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving ops: token-major q [T, Hq, D], k [T, Hk, D], one position per token.
+
+
+def _three_d(x: Any, name: str, shape: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be {shape}, got shape {list(x.shape)}")
+
+
+def _serving_qk(a: Any, q: Tensor, k: Tensor) -> None:
+    """The checks of the serving ops' q and k (3-d), and that positions hold one position per token of q."""
+    positions = _rotated_qk(a, q, k, token_major=True)
+    shape = positions_shape(positions.shape, q.shape[:-1], "q", token_major=True)
+    T = q.shape[0]
+    per_token = len(shape) == 2 and shape[-1] == 1 and (shape[0] == T or T <= 1)
+    expanded = len(shape) == 2 and shape[0] != 1 and positions.stride(0) == 0
+    if not per_token or expanded:
+        raise ValueError(
+            f"positions must hold one position per token of q ({T} tokens) with a nonzero stride: [T] "
+            "(or [3, T] with mrope_section)"
+        )
+
+
+@fake_kernel(CACHE)
+def _rotary_qk_cache(a):
+    q, k, v = a.q, a.k, a.v
+    _three_d(q, "q", "[T, Hq, D]")
+    _three_d(k, "k", "[T, Hk, D]")
+    _three_d(v, "v", "[T, Hk, Dv]")
+    _serving_qk(a, q, k)
+    for name in ("v", "key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale", "q_out", "q_scale"):
+        _on_device_of(q, name, getattr(a, name))
+    if a.layout not in ("NHD", "HND"):
+        raise ValueError(f"layout must be 'NHD' or 'HND', got '{a.layout}'")
+    key_cache, value_cache, slot_mapping = a.key_cache, a.value_cache, a.slot_mapping
+    torch._check(k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0], lambda: "q, k, v: same T")
+    torch._check(key_cache.dim() == 4 and value_cache.dim() == 4, lambda: "caches must be 4-d")
+    torch._check(slot_mapping.dim() == 1, lambda: "slot_mapping must be [T']")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be an int64 tensor, got {slot_mapping.dtype}")
+    if key_cache.dtype not in (q.dtype, *FP8_DTYPES):
+        raise TypeError(
+            f"key_cache must have the dtype of q ({q.dtype}) or be float8_e4m3fn / float8_e5m2, "
+            f"got {key_cache.dtype}"
+        )
+
+
+def _qk_norm(a: Any, q: Tensor, k: Tensor) -> None:
+    _three_d(q, "q", "[T, Hq, D]")
+    _three_d(k, "k", "[T, Hk, D]")
+    _serving_qk(a, q, k)
+    torch._check(q.shape[-1] <= 512, lambda: "head_dim must be at most 512 for the fused QK norm")
+    for name in ("q_weight", "k_weight"):
+        w = getattr(a, name)
+        _on_device_of(q, name, w)
+        torch._check(w.dim() == 1 and w.shape[0] == q.shape[-1], lambda name=name: f"{name} must be [D]")
+
+
+@fake_kernel(QK_NORM)
+def _qk_norm_rotary(a):
+    _qk_norm(a, a.q, a.k)
+    return empty_output(a.q), empty_output(a.k)
+
+
+@fake_kernel(QK_NORM_)
+def _qk_norm_rotary_inplace(a):
+    _qk_norm(a, a.q, a.k)
+
+
+@fake_kernel(QK_NORM_PACKED_)
+def _qk_norm_rotary_packed(a):
+    _qk_norm(a, *split_qkv(a.qkv, a.num_heads_q, a.num_heads_k, a.num_heads_v))
