@@ -49,15 +49,15 @@ PYTEST_WORKERS ?= 2
 
 test: build
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-profile=ci \
-		tests $(PYTEST_ARGS)
+		--durations=20 tests $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-sanitize
 
 # The edit loop: the CPU kernels and ops on this CPU's best instruction set against the references (the
 # emulated CUDA bodies: pytest -k emu tests/test_ops.py); no builds, no compiles, no process groups, 25
 # hypothesis draws per property. `make test` runs all of it and more.
 QUICK_TESTS := tests/test_ops.py tests/test_cpu_vector_paths.py tests/test_property.py \
-	tests/test_serving_cache.py tests/test_serving_norm.py tests/test_positions_rule.py tests/test_errors.py \
-	tests/test_error_classes.py tests/test_fast_path_parity.py tests/test_inplace_safety.py \
+	tests/test_serving_cache.py tests/test_serving_fp8.py tests/test_serving_norm.py tests/test_positions_rule.py \
+	tests/test_errors.py tests/test_error_classes.py tests/test_fast_path_parity.py tests/test_inplace_safety.py \
 	tests/test_bit_equal.py tests/test_cache.py tests/test_scaling.py tests/test_mrope.py \
 	tests/test_rotary_offset.py tests/test_varlen_positions.py tests/test_reference_serving.py \
 	tests/test_regressions.py
@@ -74,18 +74,18 @@ test-quick: build
 SAN := build/sanitize
 SAN_TESTS ?= tests/test_hostile_integers.py tests/test_fuzz_ops.py tests/test_crash_fuzz.py tests/test_positions_rule.py \
 	tests/test_error_classes.py tests/test_ops.py tests/test_property.py tests/test_serving_cache.py \
-	tests/test_serving_norm.py tests/test_inplace_safety.py
+	tests/test_serving_fp8.py tests/test_serving_norm.py tests/test_inplace_safety.py
 # Tests whose code differs per CPU instruction set run again on each set below the best (capped by
 # ROPE_EXT_CPU_ISA), without the emulated CUDA bodies (no CPU kernel in them); tests/test_hostile_integers.py
 # and tests/test_fuzz_ops.py walk every set themselves. A request larger than memory
 # (a hostile shape) returns null to torch, which raises, instead of stopping the process.
 SAN_ISA_TESTS ?= tests/test_crash_fuzz.py tests/test_ops.py tests/test_positions_rule.py \
-	tests/test_serving_cache.py tests/test_serving_norm.py
+	tests/test_serving_cache.py tests/test_serving_fp8.py tests/test_serving_norm.py
 SAN_ENV := ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ROPE_EXT_EXPECT_PACKAGE=$(SAN) \
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)"
 SAN_PYTEST := $(VENV)/bin/pytest -q --capture=sys -p no:cacheprovider -o pythonpath=$(SAN) \
-	--hypothesis-profile=short -n $(PYTEST_WORKERS) --dist loadfile
+	--hypothesis-profile=short
 
 test-sanitize: install
 	$(PY) -c "import shutil; shutil.copytree('rope_ext', '$(SAN)/rope_ext', dirs_exist_ok=True, \
@@ -93,7 +93,8 @@ test-sanitize: install
 	@echo "== the sanitizer build in $(SAN) (compiler lines in $(SAN)/build.log)"
 	@ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext --parallel 2 -b $(SAN) -t $(SAN)/temp \
 		> $(SAN)/build.log 2>&1 || { tail -40 $(SAN)/build.log; exit 1; }
-	$(SAN_ENV) $(SAN_PYTEST) $(SAN_TESTS) $(PYTEST_ARGS)
+	$(SAN_ENV) $(SAN_PYTEST) -n $(PYTEST_WORKERS) --dist loadfile $(SAN_TESTS) $(PYTEST_ARGS)
+	@# The reruns per instruction set are short: one process (two workers' start under ASan costs more).
 	for isa in scalar avx2 avx512; do \
 		echo "sanitizer build, ROPE_EXT_CPU_ISA=$$isa"; \
 		$(SAN_ENV) ROPE_EXT_CPU_ISA=$$isa $(SAN_PYTEST) -k "not emu" $(SAN_ISA_TESTS) $(PYTEST_ARGS) || exit 1; \

@@ -1,6 +1,6 @@
 """README.md's table of the transformers families ``patch_transformers`` supports, from the per-family check.
 
-Runs ``tests/hf_families.py``'s :func:`check` on every family (tiny random models: logits and gradients of
+Runs ``tests/hf_check.py``'s :func:`check` on every family (tiny random models: logits and gradients of
 the patched model against the unpatched one, eager and ``torch.compile(fullgraph=True)``, rope_ext op
 calls, sensitivity to a wrong rotation) and prints the table, or rewrites the part of a README between
 ``<!-- model-table:begin -->`` and ``<!-- model-table:end -->`` with it::
@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
+import hf_check  # noqa: E402
 import hf_families  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for family in hf_families.FAMILIES.values():
-        r = hf_families.check(family)
+        r = hf_check.check(family)
         results.append(r)
         if args.verbose:
             print(
@@ -42,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"wrong rotation {r.wrong_rotation_change:.3g} {r.seconds:.1f}s",
                 file=sys.stderr,
             )
-    table = hf_families.render_table(results)
+    table = hf_check.render_table(results)
     if args.write is None:
         print(table)
     else:
         text = args.write.read_text()
-        args.write.write_text(hf_families.replace_table(text, table))
+        args.write.write_text(hf_check.replace_table(text, table))
     return 1 if any(r.status.startswith("fails") for r in results) else 0
 
 

@@ -1,8 +1,8 @@
 """``patch_transformers`` on tiny random models of every supported family, the checks that refuse a modeling
 module whose rotation rope_ext does not compute, ``supported_model_types()`` and README.md's table.
 
-The families, their tiny configs and the per-family check live in ``hf_families.py`` (shared with
-``benchmarks/model_table.py``, which renders the same results into README.md).
+The families and their tiny configs live in ``hf_families.py``, the per-family check in ``hf_check.py``
+(both shared with ``benchmarks/model_table.py``, which renders the same results into README.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 import types
 from pathlib import Path
 
+import hf_check
 import hf_families as families
 import pytest
 import torch
@@ -31,13 +32,13 @@ from rope_ext.compat.hf.probes import _signature
 from rope_ext.compat.hf.rotation import _Rotation
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-_RESULTS: dict[str, families.Result] = {}
+_RESULTS: dict[str, hf_check.Result] = {}
 
 
-def _result(model_type: str) -> families.Result:
+def _result(model_type: str) -> hf_check.Result:
     """The family's check, run once per session (the README test reuses the family tests' results)."""
     if model_type not in _RESULTS:
-        _RESULTS[model_type] = families.check(families.FAMILIES[model_type])
+        _RESULTS[model_type] = hf_check.check(families.FAMILIES[model_type])
     return _RESULTS[model_type]
 
 
@@ -119,10 +120,10 @@ def test_llama_copy_with_interleaved_rotate_half_is_refused(module_copy):
     cfg = LlamaConfig(**{**families.COMMON, "num_attention_heads": 2, "num_key_value_heads": 1})
     torch.manual_seed(0)
     model = copy.LlamaForCausalLM(cfg).eval()
-    families.reinit(model)
-    call = families.make_call(families.FAMILIES["llama"], 24, seed=3)
+    hf_check.reinit(model)
+    call = hf_check.make_call(families.FAMILIES["llama"], 24, seed=3)
     with torch.no_grad():
-        ref = families.forward(model, call)
+        ref = hf_check.forward(model, call)
     before = _state(model, copy)
     with pytest.raises(TypeError, match=r"apply_rotary_pos_emb\(q, k, cos, sin\) on q .* computes none of"):
         patch_transformers(model)
@@ -133,10 +134,10 @@ def test_llama_copy_with_interleaved_rotate_half_is_refused(module_copy):
         rot = _Rotation("half", "cat")
         copy.apply_rotary_pos_emb = hf_patch._make_patched(original, rot, _signature(original))
         with torch.no_grad():
-            wrong = families.forward(model, call)
+            wrong = hf_check.forward(model, call)
     finally:
         copy.apply_rotary_pos_emb = original
-    assert families.logit_error(wrong, ref) > 100 * families.LOGIT_RTOL
+    assert hf_check.logit_error(wrong, ref) > 100 * families.LOGIT_RTOL
 
 
 def test_deepseek_copy_with_one_broken_function_patches_nothing(module_copy):
@@ -193,13 +194,13 @@ def test_patched_function_takes_the_original_signature():
     q, k = torch.randn(2, 5, 3, 32, generator=g), torch.randn(2, 5, 1, 32, generator=g)
     c = torch.randn(2, 5, 16, generator=g)
     cos, sin = torch.cat([c.cos(), c.cos()], -1), torch.cat([c.sin(), c.sin()], -1)
-    counter = families.OpCounter()
+    counter = hf_check.OpCounter()
     with counter:
         for args, kwargs in (((2,), {}), ((), {"unsqueeze_dim": 2})):
             got, want = patched(q, k, cos, sin, *args, **kwargs), original(q, k, cos, sin, *args, **kwargs)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert len(counter.calls) == 2
-    counter = families.OpCounter()
+    counter = hf_check.OpCounter()
     cos_g = cos.clone().requires_grad_()
     with counter:
         got = patched(q, k, cos_g, sin, unsqueeze_dim=2)
@@ -227,7 +228,7 @@ def test_supported_model_types_is_computed(monkeypatch):
 
 def test_readme_table_is_current():
     """README.md's table of families is what benchmarks/model_table.py renders from these checks."""
-    want = families.render_table([_result(model_type) for model_type in families.FAMILIES])
-    assert families.table_in(README.read_text()) == want, (
+    want = hf_check.render_table([_result(model_type) for model_type in families.FAMILIES])
+    assert hf_check.table_in(README.read_text()) == want, (
         "README.md's model table is stale: run `python benchmarks/model_table.py --write README.md`"
     )

@@ -20,7 +20,7 @@ import threading
 
 import pytest
 import torch
-from hf_families import reinit
+from hf_check import reinit
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rope_ext.compat import patch_transformers, unpatch_transformers
