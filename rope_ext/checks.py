@@ -56,7 +56,9 @@ def set_position_checks(enabled: bool) -> None:
     CPU ops always check positions before writing. CUDA ops do not by default, since the check
     synchronises with the device: a position outside ``[0, cos_sin.shape[0])`` then yields NaN in
     that token's rotated features (never an out-of-bounds access). With checks enabled, eager calls
-    on CUDA check first (one synchronisation per call); compiled graphs are not affected.
+    on CUDA check first (one synchronisation per call), and the cache op also refuses a slot that two
+    tokens share (``ValueError``, as on the CPU); compiled graphs and CUDA-graph captures are not
+    checked (their replays run unchecked).
     """
     position_checks.on_device = bool(enabled)
 
@@ -125,10 +127,19 @@ def _sections(mrope_section) -> list[int] | None:
     return list(mrope_section)
 
 
+def _host_check(t: Tensor) -> bool:
+    """Whether an eager check of device tensor ``t`` may synchronise: not on the CPU (the ops check there),
+    not while compiling, not while the current CUDA stream is capturing a graph (a synchronisation would
+    invalidate the capture; the graph's replays run unchecked, as compiled graphs do)."""
+    if t.device.type == "cpu" or _is_compiling():
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
     """Eager CUDA calls with position checks on (:func:`set_position_checks`; the callers test it) check
     positions on the host."""
-    if positions.device.type != "cpu" and positions.numel() > 0 and not _is_compiling():
+    if positions.numel() > 0 and _host_check(positions):
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= cos_sin.shape[0]:
             bad = lo if lo < 0 else hi
@@ -139,18 +150,21 @@ def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
 
 def _slots_in_range(slot_mapping: Tensor, key_cache: Tensor, layout: str) -> None:
     """With position checks on (the caller tests it), eager CUDA calls check slots too."""
-    if (
-        slot_mapping.device.type != "cpu"
-        and slot_mapping.numel() > 0
-        and not _is_compiling()
-        and key_cache.dim() == 4
-    ):
+    if slot_mapping.numel() > 0 and key_cache.dim() == 4 and _host_check(slot_mapping):
         n = key_cache.shape[0] * key_cache.shape[1 if layout == "NHD" else 2]
         bad = (slot_mapping < -1) | (slot_mapping >= n)
         if bool(bad.any()):
             value = int(slot_mapping[bad][0])
             raise IndexError(
                 f"slot_mapping must hold -1 or slots in [0, num_blocks * block_size) = [0, {n}), got {value}"
+            )
+        # Two tokens with one slot would write one cache row from two blocks (as the CPU op refuses).
+        slots = slot_mapping[slot_mapping >= 0].sort().values
+        twice = slots[1:] == slots[:-1]
+        if bool(twice.any()):
+            value = int(slots[1:][twice][0])
+            raise ValueError(
+                f"slot_mapping holds slot {value} twice; each token's k and v need a slot of their own"
             )
 
 

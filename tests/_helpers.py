@@ -33,6 +33,8 @@ def child_env() -> dict[str, str]:
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 HAS_CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
 
 HAS_EMULATION = hasattr(torch.ops.rope_ext, "_cuda_emulated")
 NO_EMULATION = "built without ROPE_EXT_TESTING=1: no _cuda_emulated op"
@@ -82,15 +84,46 @@ def make_cos_sin(n_positions: int, rotary_dim: int, base: float = 10000.0, devic
     return rope_ext.RopeCache(rotary_dim, base, max_positions=n_positions, device=device, dtype=dtype).cos_sin
 
 
+def to_device(values, device):
+    """``(moved, write_back)``: ``values`` (a list or a dict) with each tensor replaced by one on ``device``
+    that has its storage's bytes, strides and storage offset, so that views of one storage stay views of one
+    storage (a packed qkv, a cache view, strided or misaligned layouts) and the guard bytes around them
+    travel too. ``write_back()`` copies every storage's bytes back into the host tensors, which then hold
+    what the device op wrote: the host backend's checks apply to them unchanged."""
+    pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes()) if st.nbytes() else (id(t), 0)
+        if key not in pairs:
+            host = torch.empty(0, dtype=torch.uint8).set_(st)
+            pairs[key] = host, host.to(device, copy=True)
+        dev = pairs[key][1].untyped_storage()
+        return torch.empty(0, dtype=t.dtype, device=device).set_(dev, t.storage_offset(), t.shape, t.stride())
+
+    def write_back() -> None:
+        for host, dev in pairs.values():
+            host.copy_(dev)
+
+    if isinstance(values, dict):
+        return {n: move(v) for n, v in values.items()}, write_back
+    return [move(v) for v in values], write_back
+
+
 __all__ = [
     "DTYPES",
     "HAS_CUDA",
     "HAS_EMULATION",
+    "NO_CUDA",
     "NO_EMULATION",
     "assert_close_to_reference",
     "make_cos_sin",
+    "requires_cuda",
     "requires_emulation",
     "skip_without_emulation",
+    "to_device",
     "ulp",
 ]
 

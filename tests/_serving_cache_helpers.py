@@ -1,9 +1,11 @@
 """Shared by the tests of apply_rotary_qk_and_cache_ (test_serving_cache.py, test_serving_fp8.py): the cases
-(:func:`build`), the runs on the CPU op and the emulated CUDA body (:func:`run`), and the checks against the
-float64 references and the pure-PyTorch cache model (:func:`check`).
+(:func:`build`), the runs on the CPU op, the CUDA op and the emulated CUDA body (:func:`run`), and the checks
+against the float64 references and the pure-PyTorch cache model (:func:`check`).
 
-Each call runs on the CPU op (the public API) and on the CUDA kernel body run on the host
-(``_cuda_emulated_cache``, vector and scalar path, a few grid shapes). q and k must agree with
+Each call runs on the CPU op (the public API), on the CUDA kernel body run on the host
+(``_cuda_emulated_cache``, vector and scalar path, a few grid shapes) and, on a machine with a GPU, on the
+CUDA op (the public API on the case's tensors moved to the GPU with their storages, results copied back and
+checked on the host as the CPU op's). q and k must agree with
 ``reference.rotary_hadamard`` at the project tolerance (pass-through features bit-exact); the caches must
 equal, bit for bit, a pure-PyTorch model that index_puts the rotated k (as written to k) and v into
 clones of the guard-filled caches (``reference.quantize_fp8`` for fp8 caches), so every slot not
@@ -17,7 +19,7 @@ import functools
 
 import pytest
 import torch
-from _helpers import HAS_EMULATION, NO_EMULATION, make_cos_sin, ulp
+from _helpers import HAS_CUDA, HAS_EMULATION, NO_CUDA, NO_EMULATION, make_cos_sin, to_device, ulp
 
 import rope_ext
 from rope_ext import reference
@@ -27,16 +29,19 @@ HAS_EMU = HAS_EMULATION and hasattr(OPS, "_cuda_emulated_cache")
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 E4M3, E5M2 = FP8
 N_POS = 300  # rows of the cos/sin table
-# None: the public API on CPU tensors; else (num_sms, force_scalar) of the emulated CUDA body. The matrix
-# runs the first three (vector path on a 132-SM grid, scalar path on one SM), the other tests all five.
+# None: the public API on CPU tensors; "cuda": the public API on CUDA tensors (skipped without a GPU); else
+# (num_sms, force_scalar) of the emulated CUDA body. The matrix (MATRIX) runs cpu, the vector path on a
+# 132-SM grid, the scalar path on one SM and cuda; the other tests all of them.
 BACKENDS = {
     "cpu": None,
     "emu-132sm": (132, False),
     "emu-1sm-scalar": (1, True),
     "emu-1sm": (1, False),
     "emu-132sm-scalar": (132, True),
+    "cuda": "cuda",
 }
-EMU_BACKENDS = [b for b in BACKENDS if b != "cpu"]
+MATRIX = ["cpu", "emu-132sm", "emu-1sm-scalar", "cuda"]
+EMU_BACKENDS = [b for b, spec in BACKENDS.items() if isinstance(spec, tuple)]
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -92,6 +97,7 @@ class Case:
             key_cache=self.key_cache, value_cache=self.value_cache, slot_mapping=self.slot_mapping,
             interleaved=self.interleaved, layout=self.layout, k_scale=self.k_scale, v_scale=self.v_scale,
             q_out=self.q_out, q_scale=self.q_scale, rotary_offset=self.rotary_offset,
+            mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved,
         )  # fmt: skip
 
     def snapshot(self) -> dict:
@@ -127,9 +133,11 @@ def _slots(pattern: str, T: int, n_slots: int, gen) -> torch.Tensor:
 def build(
     dtype=torch.float16, *, T=11, Hq=8, Hk=2, D=128, Dv=None, rotary_dim=None, rotary_offset=0,
     interleaved=False, layout="NHD", block_size=16, cache_dtype=None, q_out=None, slots="mixed",
-    packed=False, cache_view=None, scale=2.0, pos_dtype=torch.int64, seed=0,
+    packed=False, cache_view=None, scale=2.0, pos_dtype=torch.int64, seed=0, mrope_section=None,
+    mrope_interleaved=False,
 ) -> Case:  # fmt: skip
-    """``q_out``: None, "same" (q's dtype) or an fp8 dtype. ``packed``: q, k, v views of one qkv."""
+    """``q_out``: None, "same" (q's dtype) or an fp8 dtype. ``packed``: q, k, v views of one qkv.
+    ``mrope_section``: MRoPE, positions ``[3, T]``."""
     gen = torch.Generator().manual_seed(seed)
     Dv = D if Dv is None else Dv
     rd = D - rotary_offset if rotary_dim is None else rotary_dim
@@ -146,7 +154,8 @@ def build(
         c.q = rnd(Hq, T, D).transpose(0, 1)
         c.k = rnd(T, 2 * Hk, D)[:, ::2]
         c.v = rnd(T + 1, Hk, Dv)[1:]
-    c.positions = torch.randint(0, N_POS, (T,), generator=gen).to(pos_dtype)
+    pos_shape = (T,) if mrope_section is None else (3, T)
+    c.positions = torch.randint(0, N_POS, pos_shape, generator=gen).to(pos_dtype)
     c.cos_sin = _cos_sin(rd)
     cdt = dtype if cache_dtype is None else cache_dtype
     nb = (T + 8 + block_size - 1) // block_size + 1
@@ -156,6 +165,7 @@ def build(
     c.k_scale, c.v_scale, c.q_scale = (torch.tensor([s]) for s in (0.37, 1.9, 0.61))
     c.q_out = None if q_out is None else _guard((T, Hq, D), dtype if q_out == "same" else q_out, gen)
     c.interleaved, c.layout, c.rotary_offset, c.rotary_dim = interleaved, layout, rotary_offset, rd
+    c.mrope_section, c.mrope_interleaved = mrope_section, mrope_interleaved
     return c
 
 
@@ -168,8 +178,17 @@ def run(c: Case | dict, backend) -> list | None:
         with _default_threads():
             rope_ext.apply_rotary_qk_and_cache_(**a)
         return None
+    if spec == "cuda":
+        if not HAS_CUDA:
+            pytest.skip(NO_CUDA)
+        moved, write_back = to_device(a, "cuda")
+        rope_ext.apply_rotary_qk_and_cache_(**moved)
+        write_back()
+        return None
     if not HAS_EMU:
         pytest.skip(NO_EMULATION)
+    if a.get("mrope_section") is not None:
+        pytest.skip("the emulated cache op takes no mrope_section")
     return emulated(a, *spec)
 
 
@@ -193,8 +212,9 @@ def assert_rotated(out, x0, c: Case) -> torch.Tensor:
     for the half types. Returns the float64 reference.
     """
     ref = reference.rotary_hadamard(
-        x0, c.positions.unsqueeze(-1), c.cos_sin, interleaved=c.interleaved, rotary_offset=c.rotary_offset
-    )
+        x0, c.positions.unsqueeze(-1), c.cos_sin, interleaved=c.interleaved, rotary_offset=c.rotary_offset,
+        mrope_section=c.mrope_section, mrope_interleaved=c.mrope_interleaved,
+    )  # fmt: skip
     lo, hi = c.rotary_offset, c.rotary_offset + c.rotary_dim
     assert same_bits(out[..., :lo], x0[..., :lo]) and same_bits(out[..., hi:], x0[..., hi:]), "pass-through"
     if out.numel() == 0:

@@ -1,11 +1,11 @@
 """apply_rotary_qk_and_cache_ (rotary fused with the paged KV-cache write) against float64 references.
 
-Each call runs on the CPU op (the public API) and on the CUDA kernel body run on the host
-(``_cuda_emulated_cache``, vector and scalar path, a few grid shapes). q and k must agree with
-``reference.rotary_hadamard`` at the project tolerance (pass-through features bit-exact); the caches must
-equal, bit for bit, a pure-PyTorch model that index_puts the rotated k (as written to k) and v into
-clones of the guard-filled caches (``reference.quantize_fp8`` for fp8 caches), so every slot not
-named in slot_mapping and every element outside a cache view keeps its bits.
+Each call runs on the CPU op (the public API), on the CUDA kernel body run on the host
+(``_cuda_emulated_cache``, vector and scalar path, a few grid shapes) and, with a GPU, on the CUDA op. q
+and k must agree with ``reference.rotary_hadamard`` at the project tolerance (pass-through features
+bit-exact); the caches must equal, bit for bit, a pure-PyTorch model that index_puts the rotated k (as
+written to k) and v into clones of the guard-filled caches (``reference.quantize_fp8`` for fp8 caches), so
+every slot not named in slot_mapping and every element outside a cache view keeps its bits.
 
 The cases, backends and checks live in ``_serving_cache_helpers.py``; the fp8 tests (saturation, infinities,
 NaN, the conversion against torch's) in ``test_serving_fp8.py``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import NO_EMULATION
+from _helpers import NO_EMULATION, to_device
 from _serving_cache_helpers import (
     BACKENDS,
     E4M3,
@@ -23,6 +23,7 @@ from _serving_cache_helpers import (
     EMU_BACKENDS,
     FP8,
     HAS_EMU,
+    MATRIX,
     N_POS,
     OPS,
     _one_thread,  # noqa: F401 - the autouse fixture: one thread in this module
@@ -67,7 +68,7 @@ CONFIGS = {
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS)[:3])
+@pytest.mark.parametrize("backend", MATRIX)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -85,6 +86,47 @@ def test_unaligned_falls_back_to_scalar():
     for backend in ("emu-132sm", "emu-1sm"):  # not force_scalar, still the scalar path
         c = build(torch.float16, D=12, rotary_dim=6, Hq=3, Hk=1, Dv=5, block_size=3)
         run_checked(c, backend, vectorized=False)
+
+
+# Shapes no 16-byte access fits (head_dim, rotary_dim, offset or Dv): the scalar path of the CUDA body.
+UNALIGNED = {
+    "d12-dv5": dict(D=12, rotary_dim=6, Hq=3, Hk=1, Dv=5, block_size=3),
+    "d20-offset-hnd": dict(D=20, rotary_dim=10, rotary_offset=6, Hq=2, Hk=2, Dv=7, layout="HND",
+                           block_size=5),
+    "d7-packed-e5m2-qout8": dict(D=7, rotary_dim=4, rotary_offset=1, Hq=3, Hk=1, packed=True,
+                                 cache_dtype=E5M2, q_out=E5M2, block_size=2, cache_view="heads"),
+    "d14-e4m3-view": dict(D=14, rotary_dim=14, Hq=2, Hk=1, Dv=3, cache_dtype=E4M3, cache_view="blocks", T=5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["emu-132sm", "cuda"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("config", list(UNALIGNED))
+def test_unaligned_shapes_take_the_scalar_path(config, dtype, interleaved, backend):
+    """Unaligned shapes on every dtype: the emulated body (not forced scalar) shows they take the scalar path,
+    and the CUDA op runs the same cases."""
+    c = build(dtype, interleaved=interleaved, seed=7 + list(UNALIGNED).index(config), **UNALIGNED[config])
+    run_checked(c, backend, vectorized=False)
+
+
+# MRoPE (positions [3, T]): not an argument of the emulated op; the CPU and CUDA ops.
+MROPE = {
+    "mrope": dict(mrope_section=(16, 24, 24)),
+    "mrope-interleaved-hnd-e4m3": dict(mrope_section=(24, 20, 20), mrope_interleaved=True, layout="HND",
+                                       cache_dtype=E4M3, packed=True),
+    "mrope-offset-e5m2-qout8": dict(rotary_dim=64, rotary_offset=32, mrope_section=(8, 12, 12), q_out=E5M2,
+                                    cache_dtype=E5M2, slots="short"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("config", list(MROPE))
+def test_mrope_matches_reference_and_cache_model(config, dtype, interleaved, backend):
+    c = build(dtype, interleaved=interleaved, seed=3 + list(MROPE).index(config), **MROPE[config])
+    run_checked(c, backend)
 
 
 def _decode(T: int, backend: str) -> None:
@@ -116,17 +158,47 @@ def test_no_tokens_is_a_no_op_on_emulation():
         _decode(0, b)
 
 
+def _out_of_range_slot(bad, backend: str, fp8: bool) -> None:
+    c = build(torch.float16, T=9, slots="all", cache_dtype=E4M3 if fp8 else None)
+    n_slots = c.key_cache.shape[0] * c.key_cache.shape[1]
+    c.slot_mapping[3] = n_slots if bad == "n_slots" else bad
+    c.slot_mapping[7] = -1
+    run_checked(c, backend)  # the model skips the token; q and k are still checked rotated
+
+
 @pytest.mark.parametrize("bad", [-7, -2, 10**6, "n_slots"])
 def test_out_of_range_slot_is_skipped_on_emulation(bad):
     """The CUDA body never writes outside the cache: that token's row is skipped, the others written."""
     if not HAS_EMU:
         pytest.skip(NO_EMULATION)
     for backend in EMU_BACKENDS:
-        c = build(torch.float16, T=9, slots="all", cache_dtype=E4M3 if backend == "emu-1sm" else None)
-        n_slots = c.key_cache.shape[0] * c.key_cache.shape[1]
-        c.slot_mapping[3] = n_slots if bad == "n_slots" else bad
-        c.slot_mapping[7] = -1
-        run_checked(c, backend)  # the model skips the token; q and k are still checked rotated
+        _out_of_range_slot(bad, backend, backend == "emu-1sm")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f16-cache", "e4m3-cache"])
+@pytest.mark.parametrize("bad", [-7, -2, 10**6, "n_slots"])
+def test_out_of_range_slot_is_skipped_on_cuda(bad, fp8):
+    """What the CUDA op documents (position checks off, the default): the token's write is skipped."""
+    _out_of_range_slot(bad, "cuda", fp8)
+
+
+def test_moved_cases_keep_their_storages():
+    """The cuda backend's move (``_helpers.to_device``), here to new host storages: views of one storage stay
+    views of one new storage with their strides and offsets, and the results come back on write_back."""
+    c = build(torch.bfloat16, packed=True, cache_view="heads", q_out="same", layout="HND", slots="short")
+    s = c.snapshot()
+    a = c.args()
+    moved, write_back = to_device(a, "cpu")
+    ptr = {n: t.untyped_storage().data_ptr() for n, t in moved.items() if isinstance(t, torch.Tensor)}
+    assert ptr["q"] == ptr["k"] == ptr["v"] != c.q.untyped_storage().data_ptr()
+    for n, t in a.items():
+        if isinstance(t, torch.Tensor):
+            assert (moved[n].stride(), moved[n].storage_offset()) == (t.stride(), t.storage_offset()), n
+            assert same_bits(moved[n], t), n
+    rope_ext.apply_rotary_qk_and_cache_(**moved)
+    assert same_bits(c.kc_base, s["kc_base"]) and same_bits(c.q_out, s["q_out"]), "written before write_back"
+    write_back()
+    check(c, s)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The serving ops on a GPU: CUDA-graph capture and replay with new positions and slot mappings, bitwise
-determinism, skipped out-of-range slots, and agreement with the references (skipped without CUDA)."""
+"""The serving ops on a GPU: CUDA-graph capture and replay with new positions and slot mappings (every serving
+op, with position checks on and off), bitwise determinism, skipped out-of-range slots, and agreement with the
+references (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,112 @@ def test_qk_norm_rotary_on_gpu(dtype, head_dim):
     again = qkv.clone()
     rope_ext.apply_qk_norm_rotary_(again, HQ, HK, HK, qw, kw, pos, cs)
     assert torch.equal(again, out)  # deterministic (fixed-order warp sum)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Capture and replay of every serving op, position checks off and on (host checks are skipped while the
+# stream captures): after new inputs (values, positions, slots) are copied into the captured tensors, a
+# replay writes the bits an eager call on those inputs writes. ``make`` draws the tensors a call reads and
+# writes; ``call`` runs the op on them and returns what it wrote (its outputs, or the tensors it updated).
+
+P = 1024  # rows of the cos/sin tables
+
+
+def _tables():
+    return {d: rope_ext.RopeCache(d, 500000.0, max_positions=P, device="cuda").cos_sin for d in (D, D // 2)}
+
+
+def _make(g, cache_dtype=None, layout="NHD", q8=False):
+    t = dict(
+        qkv=torch.randn(T, HQ + 2 * HK, D, device="cuda", generator=g).to(torch.bfloat16),
+        pos=torch.randint(0, P, (T,), device="cuda", generator=g),
+        qw=torch.randn(D, device="cuda", generator=g),
+        kw=torch.randn(D, device="cuda", generator=g),
+    )
+    if cache_dtype is not None:
+        shape = (NB, BS, HK, D) if layout == "NHD" else (NB, HK, BS, D)
+        t["kc"], t["vc"] = (torch.randn(shape, device="cuda", generator=g).to(cache_dtype) for _ in "kv")
+        slots = torch.randperm(NB * BS, device="cuda", generator=g)[:T]
+        t["slots"] = torch.where(torch.rand(T, device="cuda", generator=g) < 0.2, -1, slots)  # padding
+        t["scale"] = torch.rand(1, device="cuda", generator=g) + 0.25
+    if q8:
+        t["q8"] = torch.zeros(T, HQ, D, device="cuda").to(torch.float8_e5m2)
+    return t
+
+
+def _cache_bf16(t, cs):
+    q, k, v = _split(t["qkv"])
+    rope_ext.apply_rotary_qk_and_cache_(q, k, v, t["pos"], cs[D], t["kc"], t["vc"], t["slots"])
+    return [t["qkv"], t["kc"], t["vc"]]
+
+
+def _cache_fp8(t, cs):
+    q, k, v = _split(t["qkv"])
+    sc = t["scale"]
+    rope_ext.apply_rotary_qk_and_cache_(
+        q, k, v, t["pos"], cs[D // 2], t["kc"], t["vc"], t["slots"], layout="HND", interleaved=True,
+        k_scale=sc, v_scale=sc, q_out=t["q8"], q_scale=sc, rotary_offset=D // 4,
+    )  # fmt: skip
+    return [t["qkv"], t["kc"], t["vc"], t["q8"]]
+
+
+def _qk_norm(t, cs):
+    q, k, _ = _split(t["qkv"])
+    return list(rope_ext.apply_qk_norm_rotary(q, k, t["qw"], t["kw"], t["pos"], cs[D], eps=1e-5))
+
+
+def _qk_norm_packed(t, cs):
+    qkv = t["qkv"].flatten(1)
+    rope_ext.apply_qk_norm_rotary_(qkv, HQ, HK, HK, t["qw"], t["kw"], t["pos"], cs[D // 2], interleaved=True)
+    return [t["qkv"]]
+
+
+def _rotary_qk(t, cs):
+    q, k, _ = _split(t["qkv"])
+    rope_ext.apply_rotary_qk_(q, k, t["pos"][:, None], cs[D // 2], rotary_offset=D // 2)
+    return [t["qkv"]]
+
+
+CAPTURED = {  # op: (make's options, call)
+    "cache-bf16": (dict(cache_dtype=torch.bfloat16), _cache_bf16),
+    "cache-fp8": (dict(cache_dtype=torch.float8_e4m3fn, layout="HND", q8=True), _cache_fp8),
+    "qk-norm": ({}, _qk_norm),
+    "qk-norm-packed": ({}, _qk_norm_packed),
+    "rotary-qk-inplace": ({}, _rotary_qk),
+}
+
+
+@pytest.mark.parametrize("checks", [False, True], ids=["checks-off", "checks-on"])
+@pytest.mark.parametrize("op", list(CAPTURED))
+def test_graph_replay_equals_eager(op, checks):
+    opts, call = CAPTURED[op]
+    cs = _tables()
+
+    def make(seed):
+        return _make(torch.Generator(device="cuda").manual_seed(seed), **opts)
+
+    static = make(0)
+    rope_ext.set_position_checks(checks)
+    try:
+        call({n: t.clone() for n, t in static.items()}, cs)  # eager warm-up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = call(static, cs)
+        for seed in (1, 2):
+            new = make(seed)
+            for n, t in static.items():
+                t.copy_(new[n])
+            graph.replay()
+            want = call({n: t.clone() for n, t in new.items()}, cs)
+            torch.cuda.synchronize()
+            for i, (got, w) in enumerate(zip(outs, want, strict=True)):
+                same = torch.equal(got.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+                assert same, f"{op}: output {i} of the replay differs from eager"
+        if checks:  # still checked outside capture
+            bad = {n: t.clone() for n, t in static.items()}
+            bad["pos"][3] = P
+            with pytest.raises(IndexError, match="positions"):
+                call(bad, cs)
+    finally:
+        rope_ext.set_position_checks(False)

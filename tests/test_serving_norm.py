@@ -1,28 +1,33 @@
 """QK RMSNorm + rotary (rope_ext.apply_qk_norm_rotary_ / apply_qk_norm_rotary) against the float64 reference.
 
-Backends: the CPU kernel through the public API, and the CUDA kernel body run on the CPU through the
-test-only op ``_cuda_emulated_norm`` (vector path, scalar path, grids of 1 and 132 SMs).
-
-Tolerance (:func:`check`). The reference (``reference.qk_norm_rotary``) normalises in float64, rounds the
-norm output once to the activation dtype, rotates in float64 and rounds again. The kernels normalise in
-float32 (another summation order), so a norm output next to a rounding tie may land one ulp away from the
-reference's; the rotation carries that difference as ``dn1 c - dn2 s``, at most ``sqrt(2)`` ulps of the
-head's magnitude M (``|c| + |s| <= sqrt(2)``), and the two final roundings differ by at most one more ulp:
-``(1 + sqrt(2)) ulp(M) ~ 2.4 ulp``, so bfloat16/float16 are checked to 2.5 ulps of M, where M is the
-largest magnitude of the head's float64 norm output and reference output. A tie is rare (float32 carries
-16 more bits than bfloat16; about 1 element in 10^4 differs), so at least 99% of the q/k elements (all but
-one in a tiny call) must also be bit-equal to the reference: a kernel that rounds differently (e.g. skips
-the rounding between norm and rotary: ~30% differ) fails that. float32:
-``1e-5 M`` (float32 sums of up to 512 squares, rsqrt, the scale and the rotation: a few 2^-24 relative
-each, a few 1e-6 at worst); float64: ``1e-12 M`` (eps and weight_offset are used in float64 there,
-test_float64_uses_float64_eps_and_weight_offset). The v heads must keep their bits.
+Backends: the CPU kernel through the public API, the CUDA kernel body run on the CPU through the test-only op
+``_cuda_emulated_norm`` (vector path, scalar path, grids of 1 and 132 SMs) and, with a GPU, the CUDA kernel.
+The inputs, backends, reference and tolerance (its derivation in the module docstring) live in
+``_serving_norm_helpers.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import HAS_EMULATION, NO_EMULATION, make_cos_sin, ulp
+from _helpers import make_cos_sin, requires_cuda
+from _serving_norm_helpers import (
+    BACKENDS,
+    GQA,
+    HAS_NORM_EMULATION,
+    HOST_BACKENDS,
+    N_POS,
+    NO_V,
+    OPS,
+    backend_param,
+    check,
+    expected,
+    make_qkv,
+    make_weights,
+    run,
+    split,
+    vectorizable,
+)
 from _strategies import bits, property_settings
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,119 +36,6 @@ from torch.library import opcheck
 import rope_ext
 import rope_ext.compat.vllm
 from rope_ext import reference
-
-OPS = torch.ops.rope_ext
-HAS_NORM_EMULATION = HAS_EMULATION and hasattr(OPS, "_cuda_emulated_norm")
-requires_norm_emulation = pytest.mark.skipif(not HAS_NORM_EMULATION, reason=NO_EMULATION)
-HALF = (torch.float16, torch.bfloat16)
-GQA, NO_V = (8, 2, 2), (8, 2, 0)
-# backend -> (num_sms, force_scalar) of the emulated CUDA body; None for the CPU kernel (public API).
-BACKENDS = {"cpu": None, "emu-vec-132": (132, False), "emu-vec-1": (1, False), "emu-scalar-132": (132, True)}
-N_POS = 64
-
-
-def backend_param(name):
-    return pytest.param(name, id=name, marks=[] if name == "cpu" else [requires_norm_emulation])
-
-
-def make_qkv(tokens, heads, d, dtype, *, layout="contiguous", seed=0, scale=2.0):
-    """``(big, qkv)``: qkv ``[T, sum(heads) * d]`` is all of ``big`` or a strided view of a wider tensor:
-    ``aligned`` keeps 16-byte alignment (the vector path stays applicable), ``odd`` breaks it."""
-    g = torch.Generator().manual_seed(seed)
-    width = sum(heads) * d
-    lead, pad = {"contiguous": (0, 0), "aligned": (8, 16), "odd": (1, 3)}[layout]
-    big = (torch.randn(tokens, width + pad, generator=g, dtype=torch.float64) * scale).to(dtype)
-    return big, big[:, lead : lead + width]
-
-
-def make_weights(d, dtype, weight_offset, seed=1):
-    """q and k weights of ``dtype`` whose effective scale ``w + weight_offset`` is about 1 (Gemma: w ~ 0)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(2, d, generator=g, dtype=torch.float64) * 0.3 + (1.0 - weight_offset)
-    return w[0].to(dtype), w[1].to(dtype)
-
-
-def split(qkv, hq, hk, hv):
-    d = qkv.shape[-1] // (hq + hk + hv)
-    q = qkv[:, : hq * d].unflatten(-1, (hq, d))
-    k = qkv[:, hq * d : (hq + hk) * d].unflatten(-1, (hk, d))
-    return q, k, qkv[:, (hq + hk) * d :]
-
-
-def run(backend, qkv, heads, qw, kw, pos, cs, **opts):
-    """Applies the op in place on ``qkv`` with ``backend`` (a name of BACKENDS, or ``(num_sms,
-    force_scalar)``); returns the emulation's ``[grid_x, warps, vectorized]`` (None for the CPU kernel)."""
-    emulation = BACKENDS[backend] if isinstance(backend, str) else backend
-    if emulation is None:
-        rope_ext.apply_qk_norm_rotary_(qkv, *heads, qw, kw, pos, cs, **opts)
-        return None
-    sms, scalar = emulation
-    q, k, _ = split(qkv, *heads)
-    o = dict(eps=1e-6, interleaved=False, weight_offset=0.0, rotary_offset=0) | opts
-    return OPS._cuda_emulated_norm(
-        q, k, q, k, qw, kw, pos[:, None], cs, o["eps"], o["interleaved"], o["weight_offset"], sms, scalar,
-        o["rotary_offset"],
-    )  # fmt: skip
-
-
-def expected(qkv, heads, qw, kw, pos, cs, *, eps=1e-6, interleaved=False, weight_offset=0.0, rotary_offset=0):
-    """The reference result (``reference.qk_norm_rotary``; its recipe with the rotary part at
-    ``rotary_offset`` otherwise) and what :func:`check` needs: per head ``[T, Hq + Hk]``, the magnitude M
-    (see the module docstring)."""
-    opts = dict(eps=eps, interleaved=interleaved, weight_offset=weight_offset)
-    q, k, v = split(qkv, *heads)
-    normed = [reference.rms_norm(h, w, eps, weight_offset) for h, w in ((q, qw), (k, kw))]
-    if rotary_offset == 0:
-        ref = reference.qk_norm_rotary(qkv, *heads, qw, kw, pos, cs, **opts)
-    else:
-        rot = [
-            reference.rotary_hadamard(
-                n.to(qkv.dtype), pos[:, None], cs, interleaved=interleaved, rotary_offset=rotary_offset
-            ).to(qkv.dtype)
-            for n in normed
-        ]
-        ref = torch.cat([*rot, v.unflatten(-1, (heads[2], q.shape[-1]))], dim=1).flatten(1)
-    n = torch.cat(normed, dim=1).abs().amax(-1)
-    r = torch.cat(split(ref, *heads)[:2], dim=1).double().abs().amax(-1)
-    return ref, torch.maximum(n, r)
-
-
-def check(out, ref, tol, before, heads):
-    """``out`` (qkv after the op) against ``ref`` at the tolerance of the module docstring; v bit-exact."""
-    dtype = out.dtype
-    assert torch.equal(bits(split(out, *heads)[2]), bits(split(before, *heads)[2])), "v heads changed"
-    got = torch.cat(split(out, *heads)[:2], dim=1)
-    want = torch.cat(split(ref, *heads)[:2], dim=1)
-    if got.numel() == 0:
-        return
-    err = (got.double() - want.double()).abs()
-    m = tol[..., None]
-    if dtype in HALF:
-        tol = 2.5 * ulp(m, dtype)
-        differ = int((bits(got) != bits(want)).sum())
-        assert differ <= 0.01 * got.numel() + 1, f"{differ} of {got.numel()} elements not bit-equal"
-    else:
-        tol = (1e-5 if dtype == torch.float32 else 1e-12) * m
-    bad = err > tol
-    assert not bad.any(), (
-        f"{int(bad.sum())} elements beyond tolerance; worst error {err.max().item():.3g}, "
-        f"{(err / tol).max().item():.3g} x tolerance"
-    )
-
-
-def vectorizable(q, k, cs, rotary_offset, interleaved):
-    """Whether the CUDA body may use 16-byte accesses (its ``can_vectorize`` for the norm launch)."""
-    v = 16 // q.element_size()
-    r, d = cs.shape[-1], q.shape[-1]
-    if (r if interleaved else r // 2) % v or rotary_offset % v or r % v or (d - r) % v:
-        return False
-    for t in (q, k):
-        if t.numel() and (t.data_ptr() % 16 or t.stride(0) % v or t.stride(1) % v):
-            return False
-    chunk = min(16, (v // 2 if interleaved else v) * cs.element_size())
-    c = cs.element_size()
-    return cs.data_ptr() % chunk == 0 and cs.stride(0) * c % chunk == 0 and (r // 2) * c % chunk == 0
-
 
 # ---------------------------------------------------------------------------------------------------------
 # 1. Against the reference: every backend, dtype, pairing, head_dim, layout and option.
@@ -160,12 +52,50 @@ VARIANTS = {
 }
 
 
+HEAD_DIMS = [64, 128, 256, 80, 96, 192, 512, 40]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("head_dim", [64, 128, 256, 80, 96, 192, 512, 40])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_reference(dtype, interleaved, head_dim, variant):
-    """Every backend of BACKENDS on the same inputs (the emulated ones skipped without the op)."""
+    """Every host backend of BACKENDS on the same inputs (the emulated ones skipped without the op)."""
+    _against_reference(dtype, interleaved, head_dim, variant, HOST_BACKENDS)
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference_on_cuda(dtype, interleaved, head_dim, variant):
+    """The same cases on the CUDA kernel (aligned and odd layouts: the vector and scalar paths)."""
+    _against_reference(dtype, interleaved, head_dim, variant, {"cuda": BACKENDS["cuda"]})
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+@pytest.mark.parametrize("mrope_interleaved", [False, True], ids=["mrope", "mrope-interleaved"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", [128, 80])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mrope_matches_reference(dtype, interleaved, head_dim, variant, mrope_interleaved, backend):
+    """MRoPE (positions [3, T]; not an argument of the emulated op): the CPU and CUDA kernels."""
+    _against_reference(
+        dtype,
+        interleaved,
+        head_dim,
+        variant,
+        {backend: BACKENDS[backend]},
+        mrope_interleaved=mrope_interleaved,
+    )
+
+
+def _against_reference(dtype, interleaved, head_dim, variant, backends, mrope_interleaved=None):
+    """The VARIANTS case on each of ``backends``; MRoPE (sections t, h, w of about a third of the pairs
+    each) unless ``mrope_interleaved`` is None."""
     heads, rotary, weight_offset, w_kind, eps, layout = VARIANTS[variant]
     d = head_dim
     rotary_dim = d if rotary == "full" else d // 2
@@ -174,15 +104,21 @@ def test_matches_reference(dtype, interleaved, head_dim, variant):
     tokens = 7
     big0, qkv0 = make_qkv(tokens, heads, d, dtype, layout=layout, seed=seed)
     qw, kw = make_weights(d, torch.float32 if w_kind == "f32" else dtype, weight_offset, seed=seed + 1)
-    pos = torch.randint(0, N_POS, (tokens,), generator=torch.Generator().manual_seed(seed))
+    pos_shape = (tokens,) if mrope_interleaved is None else (3, tokens)
+    pos = torch.randint(0, N_POS, pos_shape, generator=torch.Generator().manual_seed(seed))
     cs = make_cos_sin(N_POS, rotary_dim)
     opts = dict(eps=eps, interleaved=interleaved, weight_offset=weight_offset, rotary_offset=rotary_offset)
+    if mrope_interleaved is not None:
+        third = rotary_dim // 6
+        opts |= dict(
+            mrope_section=[rotary_dim // 2 - 2 * third, third, third], mrope_interleaved=mrope_interleaved
+        )
     ref, tol = expected(qkv0, heads, qw, kw, pos, cs, **opts)
     state = [t.clone() for t in (qw, kw, pos, cs)]
     outside = torch.ones_like(big0, dtype=torch.bool)
     outside.as_strided(qkv0.shape, qkv0.stride(), qkv0.storage_offset()).fill_(False)
-    for backend, emulation in BACKENDS.items():
-        if emulation is not None and not HAS_NORM_EMULATION:
+    for backend, emulation in backends.items():
+        if isinstance(emulation, tuple) and not HAS_NORM_EMULATION:
             continue
         big = big0.clone()
         qkv = big.as_strided(qkv0.shape, qkv0.stride(), qkv0.storage_offset())
@@ -198,7 +134,14 @@ def test_matches_reference(dtype, interleaved, head_dim, variant):
             sms, scalar = emulation
             q, k, _ = split(qkv, *heads)
             items = tokens * (heads[0] + heads[1])
-            assert info[0] == min(-(-items // info[1]), 16 * sms), backend
+            # A group of lanes per (token, head): as many as the head has units (a power of two, at
+            # most 32), so no lane of a warp idles; the grid covers the warps' items.
+            v = 16 // q.element_size() if info[2] else 1
+            rd = cs.shape[-1]
+            units = (rd // 2) // ((max(v // 2, 1)) if interleaved else v) + (q.shape[-1] - rd) // v
+            assert info[3] == min(32, 1 << (units - 1).bit_length()), backend
+            warp_items = -(-items // (32 // info[3]))
+            assert info[0] == min(-(-warp_items // info[1]), 16 * sms), backend
             assert info[2] == int(not scalar and vectorizable(q, k, cs, rotary_offset, interleaved)), backend
 
 
@@ -206,7 +149,7 @@ def test_matches_reference(dtype, interleaved, head_dim, variant):
 # 2. Out of place equals in place; 7. decode (T=1) and T=0.
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 @pytest.mark.parametrize("d,rotary_dim,rotary_offset,weight_offset", [(128, 128, 0, 0.0), (96, 48, 16, 1.0)])
 def test_out_of_place_equals_in_place(dtype, interleaved, d, rotary_dim, rotary_offset, weight_offset):

@@ -135,6 +135,11 @@ void check_input(const Arg& x, const char* name) {
              " must have a contiguous last dim (stride 1), got strides ", shape_str(x.strides()));
 }
 
+void check_disjoint(const Layout& a, const char* an, const Layout& b, const char* bn) {
+  ROPE_CHECK(ValueError, !overlaps(a, b), an, " and ", bn,
+             " overlap in memory; they must be separate tensors");
+}
+
 void check_writable(const Arg& q, const Arg* k) {
   const Layout& ql = q.layout();
   ROPE_CHECK(ValueError, !self_overlaps(ql),
@@ -316,6 +321,16 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   p.inverse = inverse;
   p.x_dtype = to_dtype(dtype);
   p.cs_dtype = to_dtype(cs_dtype);
+  // What is written must not hold the positions or the table, which every thread reads.
+  const Layout lpos(positions), lcs(cos_sin);
+  const char* qo_name = &q_out == &q_in ? xname : "q_out";
+  check_disjoint(qo, qo_name, lpos, "positions");
+  check_disjoint(qo, qo_name, lcs, "cos_sin");
+  if (ko) {
+    const char* ko_name = k_out == k_in ? "k" : "k_out";
+    check_disjoint(*ko, ko_name, lpos, "positions");
+    check_disjoint(*ko, ko_name, lcs, "cos_sin");
+  }
   return p;
 }
 

@@ -168,6 +168,9 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
 // twice, and q and k share no element.
 void check_writable(const Arg& q, const Arg* k);
 
+// ValueError naming a and b when they share an element.
+void check_disjoint(const Layout& a, const char* an, const Layout& b, const char* bn);
+
 // First token whose position is outside the cache, or -1.
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value);
 

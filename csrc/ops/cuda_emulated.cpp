@@ -1,29 +1,18 @@
 // Test support (ROPE_EXT_TESTING=1 builds only, library rope_ext._C_testing):
-// runs the CUDA kernel body on the CPU. Tests compare its output with the
-// float64 reference, so the CUDA indexing, vector paths and grid shapes are
+// runs the CUDA kernel body on the CPU (emulated_launch.h: twice, in launch
+// order and shuffled, failing on any data race). Tests compare its output with
+// the float64 reference, so the CUDA indexing, vector paths and grid shapes are
 // checked on machines without a GPU.
 #include "cuda_emulated.h"
 
 #include <torch/csrc/stable/library.h>
 
+#define ROPE_EMULATION 1  // the bodies report their global accesses (emulated_launch.h)
 #include "../rope/cuda/serving.cuh"
+#include "emulated_launch.h"
 #include "layout.h"
 
 namespace rope_ext {
-namespace {
-
-// Runs thread(coord) for every thread of grid g, one after the other (an order the GPU may also
-// take).
-template <class F>
-void for_each_thread(const rope::gpu::Launch& g, F&& thread) {
-  for (int64_t by = 0; by < g.grid_y; ++by)
-    for (int64_t bx = 0; bx < g.grid_x; ++bx)
-      for (int64_t ty = 0; ty < g.block_y; ++ty)
-        for (int64_t tx = 0; tx < g.block_x; ++tx)
-          thread(rope::gpu::Coord{bx, by, tx, ty, g.block_x, g.block_y, g.grid_x, g.grid_y});
-}
-
-}  // namespace
 
 std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_out,
                                    std::optional<Tensor> k_out, Tensor positions, Tensor cos_sin,
@@ -52,7 +41,7 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   if (rope::gpu::has_work(p, l)) {
     rope::gpu::dispatch_cuda(p, l.vectorized,
                              [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-                               for_each_thread(l, [&](const rope::gpu::Coord& c) {
+                               run_grid(l, [&](const rope::gpu::Coord& c) {
                                  rope::gpu::rotary_thread<T, CS, Pos, IL, Vec>(p, l, c);
                                });
                              });
@@ -76,7 +65,7 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
   if (q.size(0) > 0 && rope::gpu::cache_has_work(cp, l)) {
     rope::gpu::dispatch_cuda(cp.rope, g.vectorized,
                              [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-                               for_each_thread(g, [&](const rope::gpu::Coord& c) {
+                               run_grid(g, [&](const rope::gpu::Coord& c) {
                                  rope::gpu::cache_thread<T, CS, Pos, IL, Vec>(cp, l, c);
                                });
                              });
@@ -107,25 +96,40 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
     rope::gpu::dispatch_cuda(
         np.rope, l.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
           using A = typename rope::Acc<T>::type;
-          // Each warp of each block in turn, phase by phase, as the GPU's
-          // __syncwarp() orders them.
-          for (int64_t bx = 0; bx < l.grid_x; ++bx)
-            for (int64_t w = 0; w < rope::gpu::kNormWarps; ++w)
-              for (int64_t item = bx * rope::gpu::kNormWarps + w; item < l.n_items;
-                   item += l.grid_x * rope::gpu::kNormWarps) {
-                rope::gpu::NormLane<A> lanes[rope::gpu::kWarp];
-                A partial[rope::gpu::kWarp];
-                for (int lane = 0; lane < rope::gpu::kWarp; ++lane)
-                  partial[lane] =
-                      rope::gpu::norm_phase1<T, CS, Pos, IL, Vec>(np, l, item, lane, lanes[lane]);
-                const A total = rope::gpu::warp_total(partial);
-                for (int lane = 0; lane < rope::gpu::kWarp; ++lane)
-                  rope::gpu::norm_phase2<T, CS, Pos, IL, Vec>(np, l, item, lane, lanes[lane],
+          constexpr int64_t kWarp = rope::gpu::kWarp, kWarps = rope::gpu::kNormWarps;
+          const int64_t group = l.group;
+          // One unit per warp of the grid; its lanes run phase by phase, as the GPU's
+          // __syncwarp() orders them. A lane's thread is (warp * kWarp + lane).
+          auto warp = [&](int64_t wi, AccessRecorder& log) {
+            const int64_t bx = wi / kWarps, wy = wi % kWarps;
+            for (int64_t w = bx * kWarps + wy; w < l.n_warp_items; w += l.grid_x * kWarps) {
+              A partial[kWarp];
+              for (int lane = 0; lane < kWarp; ++lane) {
+                log.thread = wi * kWarp + lane;
+                const int64_t item = w * (kWarp / group) + lane / group;
+                partial[lane] = item < l.n_items ? rope::gpu::norm_phase1<T, CS, Pos, IL, Vec>(
+                                                       np, l, item, int(lane % group))
+                                                 : A(0);
+              }
+              for (int lane = 0; lane < kWarp; ++lane) {
+                log.thread = wi * kWarp + lane;
+                const int64_t g = lane / group, item = w * (kWarp / group) + g;
+                const A total = rope::gpu::group_total(partial + g * group, group);
+                if (item < l.n_items)
+                  rope::gpu::norm_phase2<T, CS, Pos, IL, Vec>(np, l, item, int(lane % group),
                                                               total);
               }
+            }
+          };
+          auto name = [&](int64_t thread) {
+            const int64_t wi = thread / kWarp;
+            return "lane " + std::to_string(thread % kWarp) + " of warp " +
+                   std::to_string(wi % kWarps) + " of block " + std::to_string(wi / kWarps);
+          };
+          run_launch(l.grid_x * kWarps, warp, name);
         });
   }
-  return {l.grid_x, rope::gpu::kNormWarps, l.vectorized ? 1 : 0};
+  return {l.grid_x, rope::gpu::kNormWarps, l.vectorized ? 1 : 0, l.group};
 }
 
 }  // namespace rope_ext
@@ -159,7 +163,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
       "str layout, int num_sms, bool force_scalar, int rotary_offset=0, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
   // The CUDA body of qk_norm_rotary into q_out / k_out (which may be q / k).
-  // Returns [grid_x, warps per block, vectorized].
+  // Returns [grid_x, warps per block, vectorized, lanes per (token, head)].
   m.def(
       "_cuda_emulated_norm(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, "
       "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps, "

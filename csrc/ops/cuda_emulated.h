@@ -33,7 +33,8 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
                                          int64_t rotary_offset, Sections mrope_section,
                                          bool mrope_interleaved);
 
-// rope_ext::_cuda_emulated_norm: the CUDA body of qk_norm_rotary, warp by warp.
+// rope_ext::_cuda_emulated_norm: the CUDA body of qk_norm_rotary, warp by warp. Returns
+// [grid_x, warps per block, vectorized, lanes per (token, head)].
 std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor k_out,
                                         Tensor q_weight, Tensor k_weight, Tensor positions,
                                         Tensor cos_sin, double eps, bool interleaved,

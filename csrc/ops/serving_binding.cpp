@@ -4,6 +4,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -44,11 +45,6 @@ const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const A
   ROPE_CHECK(ValueError, same_device(*s, x), name, " must be on the device of q (", device_str(x),
              "), got ", device_str(*s));
   return static_cast<const float*>(s->data_ptr());
-}
-
-void check_disjoint(const Layout& a, const char* an, const Layout& b, const char* bn) {
-  ROPE_CHECK(ValueError, !overlaps(a, b), an, " and ", bn,
-             " overlap in memory; they must be separate tensors");
 }
 
 void check_no_self_overlap(const Layout& t, const char* name) {
@@ -208,6 +204,20 @@ rope::CacheParams make_cache_params(
   for (const auto& [c, cn] : {std::pair{&lkc, "key_cache"}, {&lvc, "value_cache"}})
     for (const auto& [x, xn] : {std::pair{&lq, "q"}, {&lk, "k"}, {&lv, "v"}})
       check_disjoint(*c, cn, *x, xn);
+  // Nor may it hold the positions, the table, the slots or a scale, which every thread reads.
+  const Layout none;
+  const Layout lpos(positions), lcs(cos_sin), lslots(slot_mapping);
+  const Layout lks = ks ? Layout(*k_scale) : none, lvs = vs ? Layout(*v_scale) : none;
+  const Layout lqs = qs ? Layout(*q_scale) : none;
+  for (const auto& [w, wn] :
+       {std::pair{&lqo, q_target}, {&lk, "k"}, {&lkc, "key_cache"}, {&lvc, "value_cache"}})
+    for (const auto& [r, rn] : {std::pair{&lpos, "positions"},
+                                {&lcs, "cos_sin"},
+                                {&lslots, "slot_mapping"},
+                                {&lks, "k_scale"},
+                                {&lvs, "v_scale"},
+                                {&lqs, "q_scale"}})
+      check_disjoint(*w, wn, *r, rn);
   return cp;
 }
 
@@ -220,6 +230,27 @@ int64_t first_bad_slot(const rope::CacheParams& cp, int64_t* value) {
     }
   }
   return -1;
+}
+
+// Whether two tokens name one slot (-1 aside): their rows of the caches would be written twice, in
+// an order the GPU does not fix. Sets the slot and the two tokens.
+bool duplicate_slot(const rope::CacheParams& cp, int64_t* slot, int64_t* first, int64_t* second) {
+  int64_t last = -1;
+  bool increasing = true;  // the usual slot mapping: no sort needed
+  for (int64_t t = 0; t < cp.n_slots && increasing; ++t)
+    if (cp.slots[t] >= 0) increasing = cp.slots[t] > last, last = cp.slots[t];
+  if (increasing) return false;
+  std::vector<std::pair<int64_t, int64_t>> st;  // (slot, token)
+  st.reserve(size_t(cp.n_slots));
+  for (int64_t t = 0; t < cp.n_slots; ++t)
+    if (cp.slots[t] >= 0) st.emplace_back(cp.slots[t], t);
+  std::sort(st.begin(), st.end());
+  for (size_t i = 1; i < st.size(); ++i)
+    if (st[i].first == st[i - 1].first) {
+      *slot = st[i].first, *first = st[i - 1].second, *second = st[i].second;
+      return true;
+    }
+  return false;
 }
 
 void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -241,6 +272,10 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
     ROPE_CHECK(std::out_of_range, t < 0,
                "slot_mapping must hold -1 or slots in [0, num_blocks * block_size) = [0, ",
                cp.n_cache_slots, "), got ", value, " for token ", t);
+    int64_t slot = 0, first = 0, second = 0;
+    ROPE_CHECK(ValueError, !duplicate_slot(cp, &slot, &first, &second), "slot_mapping holds slot ",
+               slot, " twice (tokens ", first, " and ", second,
+               "); each token's k and v need a slot of their own");
   }
   backend.launch_cache(cp, q);
 }
@@ -280,6 +315,9 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
     np.weight[i] = w->data_ptr();
     np.w_dtype[i] = to_dtype(dtype_of(*w));
     ++i;
+    const Layout lw(*w);
+    check_disjoint(q_out.layout(), &q_out == &q ? "q" : "q_out", lw, name);
+    check_disjoint(k_out.layout(), &k_out == &k ? "k" : "k_out", lw, name);
   }
   np.eps = eps;
   np.weight_offset = weight_offset;

@@ -54,11 +54,20 @@ ROPE_HD float bits_to_float(uint32_t u) {
 
 ROPE_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
+// Round to nearest even; a NaN keeps its sign and top payload bits, made quiet (as AVX-512 BF16's
+// vcvtneps2bf16). On the GPU the hardware conversion gives the same bits but for NaN (its canonical
+// NaN), which is replaced.
 ROPE_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // quiet NaN
+#if defined(__CUDA_ARCH__)
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#else
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
+#endif
 }
 
 // IEEE half <-> float without F16C or CUDA intrinsics (exact, handles
@@ -75,6 +84,12 @@ ROPE_HD float half_to_float(uint16_t h) {
 }
 
 ROPE_HD uint16_t float_to_half(float f) {
+#if defined(__CUDA_ARCH__)
+  // The hardware conversion, but for NaN (its canonical NaN): the sign and 0x7E00, as below.
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return f != f ? uint16_t(((float_to_bits(f) >> 16) & 0x8000u) | 0x7E00u) : h;
+#else
   float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t w = float_to_bits(f);
   const uint32_t shl1_w = w + w;
@@ -85,6 +100,7 @@ ROPE_HD uint16_t float_to_half(float f) {
   const uint32_t bits = float_to_bits(base);
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
   return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
 }
 
 // Arithmetic type: float for every storage type but double.
@@ -190,6 +206,10 @@ struct TokenOffsets {
 };
 
 ROPE_HD TokenOffsets token_offsets(const RopeParams& p, int64_t token) {
+  if (p.n_tok_dims == 1)  // one token dim (the usual [T, H, D]): no division
+    return {token * p.pos_stride[0],
+            {token * p.t[0].in_tok_stride[0], token * p.t[1].in_tok_stride[0]},
+            {token * p.t[0].out_tok_stride[0], token * p.t[1].out_tok_stride[0]}};
   TokenOffsets o{0, {0, 0}, {0, 0}};
   for (int d = p.n_tok_dims - 1; d >= 0; --d) {
     const int64_t i = token % p.tok_size[d];
@@ -204,6 +224,11 @@ ROPE_HD TokenOffsets token_offsets(const RopeParams& p, int64_t token) {
 }
 
 ROPE_HD void head_offsets(const RotTensor& t, int64_t head, int64_t& in, int64_t& out) {
+  if (t.n_head_dims == 1) {  // one head dim: no division in the per-head loops
+    in = head * t.in_head_stride[0];
+    out = head * t.out_head_stride[0];
+    return;
+  }
   in = 0;
   out = 0;
   for (int d = t.n_head_dims - 1; d >= 0; --d) {

@@ -19,6 +19,12 @@
 namespace rope {
 namespace gpu {
 
+// Registers per thread every kernel fits in (tests/test_cuda_resources.py reads the built library):
+// __launch_bounds__(threads, min_blocks(threads)) asks for that many resident blocks of `threads`
+// threads in an SM's 64K registers.
+constexpr int kMaxRegisters = 64;
+constexpr int min_blocks(int threads) { return 65536 / (threads * kMaxRegisters); }
+
 // Block and thread coordinates (the CUDA built-ins, or loop variables).
 struct Coord {
   int64_t bx, by, tx, ty;
@@ -61,6 +67,34 @@ struct Word {
   using type = HostWord<Bytes>;
 };
 #endif
+
+// Every global access of a body is reported through note_read / note_write (before it happens). On
+// the GPU they are empty. The host emulation (ROPE_EMULATION, csrc/ops/cuda_emulated.cpp) sets an
+// AccessLog that finds two threads of one launch touching one byte, one of them writing (a race on
+// the GPU), and that can undo a launch's writes to run it again in another order.
+#if defined(ROPE_EMULATION)
+struct AccessLog {
+  virtual void read(const void* p, size_t bytes) = 0;
+  virtual void write(void* p, size_t bytes) = 0;
+};
+inline thread_local AccessLog* access_log = nullptr;
+inline void note_read(const void* p, size_t bytes) {
+  if (access_log) access_log->read(p, bytes);
+}
+inline void note_write(void* p, size_t bytes) {
+  if (access_log) access_log->write(p, bytes);
+}
+#else
+ROPE_HD void note_read(const void*, size_t) {}
+ROPE_HD void note_write(void*, size_t) {}
+#endif
+
+// The token's position at `offset` of the positions tensor.
+template <class Pos>
+ROPE_HD int64_t position_at(const RopeParams& p, int64_t offset) {
+  note_read(static_cast<const Pos*>(p.positions) + offset, sizeof(Pos));
+  return load_position<Pos>(p, offset);
+}
 
 // Bits of the elements of one vector access as 32-bit words, and back.
 template <class T, int N>
@@ -146,6 +180,7 @@ constexpr int chunk_of() {
 // accesses when Vectorized, element by element otherwise.
 template <bool Vectorized, class T, int N>
 ROPE_HD void load_n(const T* src, T (&dst)[N]) {
+  note_read(src, N * sizeof(T));
   if constexpr (Vectorized && N > 1) {
     constexpr int chunk = chunk_of<T, N>();
     using W = typename Word<chunk* int(sizeof(T))>::type;
@@ -164,6 +199,7 @@ ROPE_HD void load_n(const T* src, T (&dst)[N]) {
 
 template <bool Vectorized, class T, int N>
 ROPE_HD void store_n(T* dst, const T (&src)[N]) {
+  note_write(dst, N * sizeof(T));
   if constexpr (Vectorized && N > 1) {
     constexpr int chunk = chunk_of<T, N>();
     using W = typename Word<chunk* int(sizeof(T))>::type;
@@ -293,10 +329,13 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
     ROPE_UNROLL
     for (int k = 0; k < P; ++k) {
       const int j = int(j0) + k;
-      const int64_t pos = load_position<Pos>(p, pos_off + mrope_row(p, j) * p.pos_section_stride);
+      const int64_t pos = position_at<Pos>(p, pos_off + mrope_row(p, j) * p.pos_section_stride);
       if (position_in_cache(p, pos)) {
-        cv[k] = A(to_acc(cs[pos * p.cs_row_stride + j]));
-        const A s = A(to_acc(cs[pos * p.cs_row_stride + h + j]));
+        const CS* row = cs + pos * p.cs_row_stride;
+        note_read(row + j, sizeof(CS));
+        note_read(row + h + j, sizeof(CS));
+        cv[k] = A(to_acc(row[j]));
+        const A s = A(to_acc(row[h + j]));
         sv[k] = p.inverse ? -s : s;
       } else {
         cv[k] = sv[k] = A(NAN);
@@ -304,7 +343,7 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
     }
     return;
   }
-  const int64_t pos = load_position<Pos>(p, pos_off);
+  const int64_t pos = position_at<Pos>(p, pos_off);
   if (position_in_cache(p, pos)) {
     CS cr[P], sr[P];
     load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
@@ -376,8 +415,8 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
         const int ti = head < q_heads ? 0 : 1;
         int64_t hin, hout;
         head_offsets(p.t[ti], ti ? head - q_heads : head, hin, hout);
-        const T* in = static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin;
-        T* out = static_cast<T*>(p.t[ti].out) + o.out[ti] + hout;
+        const T* in = static_cast<const T*>(p.t[ti].in) + (ti ? o.in[1] : o.in[0]) + hin;
+        T* out = static_cast<T*>(p.t[ti].out) + (ti ? o.out[1] : o.out[0]) + hout;
         if (!rot) {
           if (!p.t[ti].copy_pass) continue;  // in place: already in the output
           // Pass-through features: [0, rot_offset), then [rot_offset + rotary_dim, head_dim).

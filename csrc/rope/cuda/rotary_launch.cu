@@ -8,7 +8,8 @@ namespace gpu {
 namespace {
 
 template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(256) rotary_kernel(const RopeParams p, const Launch l) {
+__global__ void __launch_bounds__(256, min_blocks(256))
+    rotary_kernel(const RopeParams p, const Launch l) {
   rotary_thread<T, CS, Pos, IL, Vec>(p, l, this_thread());
 }
 

@@ -9,12 +9,15 @@
 // stores its rotated unit both in k and in the key cache; a v lane copies its
 // unit of v to the value cache. One launch for q, k and v.
 //
-// QK-RMSNorm + rotary (norm_phase1 / norm_phase2): one warp per (token, head).
-// Phase 1: each lane loads its units of the head into registers and sums
-// their squares. The 32 partial sums meet in shared memory and every lane
-// adds them in the same fixed order (warp_total), so the GPU and the host
-// emulation compute the same norm. Phase 2: each lane normalises, scales,
-// rounds to the activation dtype, rotates and stores its units.
+// QK-RMSNorm + rotary (norm_phase1 / norm_phase2): a group of lanes per
+// (token, head), as many lanes as the head has units (at most 32), so a warp
+// holds 32 / group heads and no lane idles for D = 64-512. Phase 1: each lane
+// sums the squares of its units. The group's partial sums meet in shared
+// memory and every lane adds them in the same fixed order (group_total), so
+// the GPU and the host emulation compute the same norm. Phase 2: each lane
+// reads its units again (its own bytes, from L1), normalises, scales, rounds
+// to the activation dtype, rotates and stores them. Nothing is kept between
+// the phases but the sum, so no head size costs registers.
 #pragma once
 
 #include "../serving.h"
@@ -68,14 +71,17 @@ inline CacheLaunch plan_cache_launch(const CacheParams& cp, int64_t num_sms,
   return l;
 }
 
-// (No token: the empty token dim of q and k makes their head counts 0.)
+// Whether any of q, k and v has a head to rotate or copy (q alone when k and v have
+// no heads). No token: the empty token dim of q and k makes their head counts 0.
 inline bool cache_has_work(const CacheParams& cp, const CacheLaunch& l) {
-  return cp.rope.n_tokens > 0 && l.grid.block_x > 0 && cp.rope.t[1].n_heads > 0;
+  return cp.rope.n_tokens > 0 && l.grid.block_x > 0 &&
+         cp.rope.t[0].n_heads + cp.rope.t[1].n_heads + cp.n_kv_heads > 0;
 }
 
 // Stores N values of T as fp8 bits (element by element).
 template <class T, int N>
 ROPE_HD void store_fp8(uint8_t* dst, const T (&x)[N], float scale, Fp8 t) {
+  note_write(dst, N);
   ROPE_UNROLL
   for (int i = 0; i < N; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
 }
@@ -91,7 +97,17 @@ ROPE_HD void store_cache(const CacheParams& cp, const PagedCache& c, float scale
     store_n<Vectorized>(static_cast<T*>(c.data) + off, x);
 }
 
-ROPE_HD float scale_or_one(const float* s) { return s ? *s : 1.0f; }
+ROPE_HD float scale_or_one(const float* s) {
+  if (!s) return 1.0f;
+  note_read(s, sizeof(float));
+  return *s;
+}
+
+// token_slot, its read of slot_mapping reported.
+ROPE_HD int64_t slot_of(const CacheParams& cp, int64_t token) {
+  if (token < cp.n_slots) note_read(cp.slots + token, sizeof(int64_t));
+  return token_slot(cp, token);
+}
 
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
 ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Coord& c) {
@@ -113,12 +129,10 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
 
   for (int64_t token = c.bx; token < p.n_tokens; token += c.gdx) {
     const TokenOffsets o = token_offsets(p, token);
-    const int64_t slot = token_slot(cp, token);
+    const int64_t slot = slot_of(cp, token);
     for (int64_t lane = c.tx; lane < n_lanes; lane += c.bdx) {
       const bool rot = lane < l.n_rot_units;
       const int64_t j0 = lane * P;  // first pair of this unit
-      A cv[P] = {}, sv[P] = {};
-      if (rot) unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
       for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {
         if (head >= hq + hk) {
           // v: copied to the value cache.
@@ -136,8 +150,8 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
         const int64_t hh = ti ? head - hq : head;
         int64_t hin, hout;
         head_offsets(p.t[ti], hh, hin, hout);
-        const T* in = static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin;
-        T* out = static_cast<T*>(p.t[ti].out) + o.out[ti] + hout;
+        const T* in = static_cast<const T*>(p.t[ti].in) + (ti ? o.in[1] : o.in[0]) + hin;
+        T* out = static_cast<T*>(p.t[ti].out) + (ti ? o.out[1] : o.out[0]) + hout;
         const bool to_q8 = ti == 0 && q8;
         uint8_t* q8_out =
             to_q8 ? static_cast<uint8_t*>(cp.q8) + token * cp.q8_tok_stride + hh * cp.q8_head_stride
@@ -157,7 +171,11 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
           if (to_cache) store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, e, x);
           continue;
         }
+        // The unit's cos/sin, read per head (from L1 after the first head): kept across heads, as
+        // the rotary kernel does, they would not fit in the registers beside the cache's state.
         const int64_t r0 = p.rot_offset;
+        A cv[P], sv[P];
+        unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
         if (Interleaved) {
           constexpr bool VecPairs = Vectorized && (2 * P == V);
           T y[2 * P];
@@ -188,18 +206,17 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
 }
 
 // ---------------------------------------------------------------------------
-// QK-RMSNorm + rotary: one warp (32 lanes) per (token, head).
+// QK-RMSNorm + rotary: a group of lanes per (token, head), 32 / group items per warp.
 
 constexpr int kWarp = 32;
 constexpr int kNormWarps = 4;  // warps per block
-// Features one lane holds (kMaxNormHeadDim / 32 rotated plus as many pass-through).
-constexpr int kLaneRot = kMaxNormHeadDim / kWarp;
-constexpr int kLanePass = kMaxNormHeadDim / kWarp;
 
 struct NormLaunch {
-  int64_t grid_x;   // blocks of kWarp x kNormWarps threads, striding over items
-  int64_t n_items;  // n_tokens * (q heads + k heads)
+  int64_t grid_x;        // blocks of kWarp x kNormWarps threads, striding over the warps' items
+  int64_t n_items;       // n_tokens * (q heads + k heads)
+  int64_t n_warp_items;  // warp iterations: n_items / (kWarp / group), rounded up
   int64_t n_rot_units, n_pass_units;
+  int64_t group;  // lanes per item: the power of two >= units per head, at most kWarp
   bool vectorized;
 };
 
@@ -213,19 +230,16 @@ inline NormLaunch plan_norm_launch(const NormParams& np, int64_t num_sms,
   const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
   l.n_rot_units = (p.rotary_dim / 2) / ppu;
   l.n_pass_units = (p.head_dim - p.rotary_dim) / v;
+  l.group = 1;
+  while (l.group < kWarp && l.group < l.n_rot_units + l.n_pass_units) l.group *= 2;
   l.n_items = p.n_tokens * (p.t[0].n_heads + p.t[1].n_heads);
-  const int64_t blocks = (l.n_items + kNormWarps - 1) / kNormWarps;
+  const int64_t per_warp = kWarp / l.group;
+  l.n_warp_items = (l.n_items + per_warp - 1) / per_warp;
+  const int64_t blocks = (l.n_warp_items + kNormWarps - 1) / kNormWarps;
   const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
   l.grid_x = blocks < resident ? blocks : resident;
   return l;
 }
-
-// What one lane keeps between the phases: its units of the head, as read.
-template <class A>
-struct NormLane {
-  A rot[kLaneRot];
-  A pass[kLanePass];
-};
 
 // Where (token, head) `item` lives: the tensor (0 q, 1 k), its input and output.
 template <class T>
@@ -245,76 +259,79 @@ ROPE_HD NormItem<T> norm_item(const NormParams& np, int64_t item) {
   const TokenOffsets o = token_offsets(p, token);
   int64_t hin, hout;
   head_offsets(p.t[ti], ti ? head - p.t[0].n_heads : head, hin, hout);
-  return {ti, o.pos, static_cast<const T*>(p.t[ti].in) + o.in[ti] + hin,
-          static_cast<T*>(p.t[ti].out) + o.out[ti] + hout};
+  return {ti, o.pos, static_cast<const T*>(p.t[ti].in) + (ti ? o.in[1] : o.in[0]) + hin,
+          static_cast<T*>(p.t[ti].out) + (ti ? o.out[1] : o.out[0]) + hout};
 }
 
-// Phase 1 of lane `lane` on `item`: loads the lane's units into s and returns
-// the sum of their squares.
+// Pair j0 .. j0 + P of a head's rotary part: x[0..P) the first features of the pairs, x[P..2P) the
+// second (interleaved pairs as stored, half-split pairs from both halves).
+template <bool Interleaved, bool Vectorized, class T, int N>
+ROPE_HD void load_pairs(const T* rot, int64_t h, int64_t j0, T (&x)[N]) {
+  constexpr int P = N / 2, V = 16 / int(sizeof(T));
+  if (Interleaved) {
+    T y[2 * P];
+    load_n<Vectorized && (2 * P == V)>(rot + 2 * j0, y);
+    ROPE_UNROLL
+    for (int k = 0; k < P; ++k) x[k] = y[2 * k], x[P + k] = y[2 * k + 1];
+  } else {
+    T x1[P], x2[P];
+    load_n<Vectorized>(rot + j0, x1);
+    load_n<Vectorized>(rot + h + j0, x2);
+    ROPE_UNROLL
+    for (int k = 0; k < P; ++k) x[k] = x1[k], x[P + k] = x2[k];
+  }
+}
+
+// Phase 1 of lane `gl` of the group on `item`: the sum of the squares of the lane's units (units
+// gl, gl + group, ..: rotary ones, then pass-through ones).
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
 ROPE_HD typename Acc<T>::type norm_phase1(const NormParams& np, const NormLaunch& l, int64_t item,
-                                          int lane, NormLane<typename Acc<T>::type>& s) {
+                                          int gl) {
   using A = typename Acc<T>::type;
   const RopeParams& p = np.rope;
   constexpr int V = vec_width<T, Vectorized>();
   constexpr int P = pairs_per_unit<T, Interleaved, Vectorized>();
-  const int64_t h = p.rotary_dim / 2;
   const NormItem<T> it = norm_item<T>(np, item);
   A sum = 0;
-  int n = 0;
-  for (int64_t u = lane; u < l.n_rot_units; u += kWarp, n += 2 * P) {
-    const int64_t j0 = u * P;
+  for (int64_t u = gl; u < l.n_rot_units; u += l.group) {
     T x[2 * P];
-    if (Interleaved) {
-      load_n<Vectorized && (2 * P == V)>(it.in + p.rot_offset + 2 * j0, x);
-    } else {
-      T x1[P], x2[P];
-      load_n<Vectorized>(it.in + p.rot_offset + j0, x1);
-      load_n<Vectorized>(it.in + p.rot_offset + h + j0, x2);
-      ROPE_UNROLL
-      for (int k = 0; k < P; ++k) x[k] = x1[k], x[P + k] = x2[k];
-    }
+    load_pairs<Interleaved, Vectorized>(it.in + p.rot_offset, p.rotary_dim / 2, u * P, x);
     ROPE_UNROLL
-    for (int k = 0; k < 2 * P; ++k) {
-      s.rot[n + k] = to_acc(x[k]);
-      sum += s.rot[n + k] * s.rot[n + k];
-    }
+    for (int k = 0; k < 2 * P; ++k) sum += A(to_acc(x[k])) * A(to_acc(x[k]));
   }
-  n = 0;
-  for (int64_t u = lane; u < l.n_pass_units; u += kWarp, n += V) {
+  for (int64_t u = gl; u < l.n_pass_units; u += l.group) {
     const int64_t f = u * V;
-    const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
     T x[V];
-    load_n<Vectorized>(it.in + e, x);
+    load_n<Vectorized>(it.in + (f < p.rot_offset ? f : f + p.rotary_dim), x);
     ROPE_UNROLL
-    for (int k = 0; k < V; ++k) {
-      s.pass[n + k] = to_acc(x[k]);
-      sum += s.pass[n + k] * s.pass[n + k];
-    }
+    for (int k = 0; k < V; ++k) sum += A(to_acc(x[k])) * A(to_acc(x[k]));
   }
   return sum;
 }
 
-// The sum of the warp's 32 partial sums, in a fixed order.
+// The sum of a group's partial sums, in a fixed order.
 template <class A>
-ROPE_HD A warp_total(const A* partial) {
+ROPE_HD A group_total(const A* partial, int64_t group) {
   A t = 0;
-  ROPE_UNROLL
-  for (int i = 0; i < kWarp; ++i) t += partial[i];
+  for (int64_t i = 0; i < group; ++i) t += partial[i];
   return t;
 }
 
 // x * rms * (w[f] + weight_offset), rounded to T (the norm's output), as A.
 template <class T, class A>
 ROPE_HD A normed(const NormParams& np, int ti, A x, A rms, int64_t f) {
+  note_read(static_cast<const char*>(np.weight[ti]) + f * dtype_size(np.w_dtype[ti]),
+            size_t(dtype_size(np.w_dtype[ti])));
   const A w = load_weight<A>(np.weight[ti], np.w_dtype[ti], f) + A(np.weight_offset);
   return A(to_acc(Store<T>::from(x * rms * w)));
 }
 
-// Phase 2 of lane `lane` on `item`, given the head's sum of squares.
+// Phase 2 of lane `gl` of the group on `item`, given the head's sum of squares: reads its units
+// again (the lane's own bytes, just read: from L1), normalises, scales, rounds, rotates and stores
+// them.
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
-ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item, int lane,
-                         const NormLane<typename Acc<T>::type>& s, typename Acc<T>::type total) {
+ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item, int gl,
+                         typename Acc<T>::type total) {
   using A = typename Acc<T>::type;
   const RopeParams& p = np.rope;
   constexpr int V = vec_width<T, Vectorized>();
@@ -323,9 +340,10 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item
   const NormItem<T> it = norm_item<T>(np, item);
   const A rms = rms_inverse<A>(total, p.head_dim, np.eps);
   const int64_t r0 = p.rot_offset;
-  int n = 0;
-  for (int64_t u = lane; u < l.n_rot_units; u += kWarp, n += 2 * P) {
+  for (int64_t u = gl; u < l.n_rot_units; u += l.group) {
     const int64_t j0 = u * P;
+    T x[2 * P];
+    load_pairs<Interleaved, Vectorized>(it.in + r0, h, j0, x);
     A cv[P], sv[P];
     unit_cos_sin<CS, Pos, Vectorized>(p, it.pos, j0, cv, sv);
     T y[2 * P];
@@ -336,8 +354,8 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item
       const int64_t f1 = Interleaved ? r0 + 2 * (j0 + k) : r0 + j0 + k;
       const int64_t f2 = Interleaved ? f1 + 1 : f1 + h;
       A y1, y2;
-      rotate_pair<A>(normed<T>(np, it.ti, s.rot[n + i1], rms, f1),
-                     normed<T>(np, it.ti, s.rot[n + i2], rms, f2), cv[k], sv[k], y1, y2);
+      rotate_pair<A>(normed<T>(np, it.ti, A(to_acc(x[k])), rms, f1),
+                     normed<T>(np, it.ti, A(to_acc(x[P + k])), rms, f2), cv[k], sv[k], y1, y2);
       y[i1] = Store<T>::from(y1);
       y[i2] = Store<T>::from(y2);
     }
@@ -351,14 +369,14 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item
       store_n<Vectorized>(it.out + r0 + h + j0, y2);
     }
   }
-  n = 0;
-  for (int64_t u = lane; u < l.n_pass_units; u += kWarp, n += V) {
+  for (int64_t u = gl; u < l.n_pass_units; u += l.group) {
     const int64_t f = u * V;
     const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
-    T y[V];
+    T x[V], y[V];
+    load_n<Vectorized>(it.in + e, x);
     ROPE_UNROLL
     for (int k = 0; k < V; ++k)
-      y[k] = Store<T>::from(normed<T>(np, it.ti, s.pass[n + k], rms, e + k));
+      y[k] = Store<T>::from(normed<T>(np, it.ti, A(to_acc(x[k])), rms, e + k));
     store_n<Vectorized>(it.out + e, y);
   }
 }

@@ -18,14 +18,16 @@ __global__ void __launch_bounds__(kWarp* kNormWarps)
   using A = typename Acc<T>::type;
   __shared__ A partial[kNormWarps][kWarp];
   const int lane = int(threadIdx.x), warp = int(threadIdx.y);
-  // Warp-uniform loop: every lane of a warp works on the same item.
-  for (int64_t item = int64_t(blockIdx.x) * kNormWarps + warp; item < l.n_items;
-       item += int64_t(gridDim.x) * kNormWarps) {
-    NormLane<A> s;
-    partial[warp][lane] = norm_phase1<T, CS, Pos, IL, Vec>(p, l, item, lane, s);
+  const int group = int(l.group), g = lane / group;
+  // Warp-uniform loop: the warp's groups work on items w * (kWarp / group) + g.
+  for (int64_t w = int64_t(blockIdx.x) * kNormWarps + warp; w < l.n_warp_items;
+       w += int64_t(gridDim.x) * kNormWarps) {
+    const int64_t item = w * (kWarp / group) + g;
+    const bool on = item < l.n_items;
+    partial[warp][lane] = on ? norm_phase1<T, CS, Pos, IL, Vec>(p, l, item, lane % group) : A(0);
     __syncwarp();
-    const A total = warp_total(partial[warp]);
-    norm_phase2<T, CS, Pos, IL, Vec>(p, l, item, lane, s, total);
+    const A total = group_total(&partial[warp][g * group], group);
+    if (on) norm_phase2<T, CS, Pos, IL, Vec>(p, l, item, lane % group, total);
     __syncwarp();
   }
 }

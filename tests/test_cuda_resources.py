@@ -1,0 +1,120 @@
+"""The built CUDA kernels, read from the library (``cuobjdump``): what a GPU would pay for is checked here.
+
+Every kernel instance (each dtype, table dtype, positions dtype, pairing, vector or scalar path, each
+architecture of the build) is listed by ``cuobjdump --dump-resource-usage``: registers per thread and the
+stack frame (local memory: run-time indexed arrays and register spills). The floor is no stack at all and at
+most ``kMaxRegisters`` (64, csrc/rope/cuda/rotary.cuh) registers; the vector instances must move their data
+in single 128-bit loads and stores. Skipped only where no CUDA library was built or no ``cuobjdump`` (the
+toolkit's, or the copy Triton ships) exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import rope_ext
+
+LIB = next(Path(rope_ext.__file__).parent.glob("_C_cuda*.so"), None)
+MAX_REGISTERS = 64
+# The serving kernels' instances still above the floor (per architecture and kernel: the most registers,
+# the largest stack frame in bytes), measured on the build; no instance may get worse.
+CEILING = {
+    "rotary_kernel": (64, 8),
+    "cache_kernel": (80, 8),
+    "norm_kernel": (72, 16),
+}
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates = [found, f"{home}/bin/cuobjdump"]
+    try:
+        import triton
+
+        candidates.append(str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"))
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+CUOBJDUMP = _cuobjdump()
+pytestmark = [
+    pytest.mark.skipif(LIB is None, reason="no CUDA library built (rope_ext._C_cuda)"),
+    pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or Triton)"),
+]
+
+
+@functools.cache
+def instances() -> list[tuple[str, str, int, int]]:
+    """(arch, mangled name, registers, stack bytes) of every kernel instance in the library."""
+    out = subprocess.run(
+        [CUOBJDUMP, "--dump-resource-usage", str(LIB)], capture_output=True, text=True, check=True
+    )
+    rows, arch, name = [], None, None
+    for line in out.stdout.splitlines():
+        if m := re.search(r"arch = (sm_\d+)", line):
+            arch = m.group(1)
+        elif m := re.search(r"Function (\S+):", line):
+            name = m.group(1)
+        elif m := re.search(r"REG:(\d+) STACK:(\d+)", line):
+            rows.append((arch, name, int(m.group(1)), int(m.group(2))))
+    return rows
+
+
+def kernel(name: str) -> str:
+    return re.search(r"(rotary_kernel|cache_kernel|norm_kernel)", name).group(1)
+
+
+def test_every_kernel_is_listed():
+    rows = instances()
+    families = {kernel(n) for _, n, _, _ in rows}
+    assert families == set(CEILING), families
+    assert {a for a, _, _, _ in rows} >= {"sm_90"}
+
+
+def test_no_instance_above_its_ceiling():
+    worst = defaultdict(lambda: (0, 0))
+    for arch, name, regs, stack in instances():
+        k = kernel(name)
+        r, s = worst[arch, k]
+        worst[arch, k] = (max(r, regs), max(s, stack))
+    for (arch, k), (regs, stack) in sorted(worst.items()):
+        assert regs <= CEILING[k][0] and stack <= CEILING[k][1], (arch, k, regs, stack)
+
+
+def test_rotary_kernel_within_the_register_budget():
+    for arch, name, regs, _ in instances():
+        if kernel(name) == "rotary_kernel":
+            assert regs <= MAX_REGISTERS, (arch, name, regs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cache and QK-norm kernels above 64 registers, a few instances with an 8-16 B stack frame",
+)
+def test_every_instance_meets_the_floor():
+    bad = [(a, n, r, s) for a, n, r, s in instances() if r > MAX_REGISTERS or s > 0]
+    assert not bad, f"{len(bad)} instances above the floor, e.g. {bad[:3]}"
+
+
+def test_vector_instances_use_128_bit_accesses():
+    """The instances whose last template argument (Vectorized) is true load and store 16 bytes at once."""
+    out = subprocess.run([CUOBJDUMP, "-sass", str(LIB)], capture_output=True, text=True, check=True).stdout
+    checked = 0
+    for block in out.split("Function : ")[1:]:
+        name = block.split(None, 1)[0]
+        if not re.search(r"Lb1EEEvN", name):
+            continue
+        checked += 1
+        assert re.search(r"LDG\.E\.128", block), f"no 128-bit load in {name}"
+        assert re.search(r"STG\.E\.128", block), f"no 128-bit store in {name}"
+    assert checked > 0
