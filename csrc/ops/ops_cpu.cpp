@@ -59,14 +59,12 @@ void launch_cache_cpu(const rope::CacheParams& p, const Tensor&) {
   });
 }
 
-// The QK norm does about 2.5x the rotation's work per byte (it reads each head
-// twice and adds a square, two products and a rounding per feature), so its
-// tokens weigh 2.5x their bytes in the split: with Llama-3-8B shapes a decode
-// step of 6 tokens or more runs on two threads (the rotation: 13 or more).
+// The QK norm splits as the rotation of its q and k does (their bytes). Weighting its tokens by its
+// larger work per byte split decode steps of a few tokens, which costs far more than the work saved
+// when OpenMP's workers sleep (OMP_WAIT_POLICY=passive): benchmarks/cpu-serving.md, "Threads".
 void launch_norm_cpu(const rope::NormParams& p, const Tensor&) {
-  const int64_t bytes = 2 * rope::dtype_size(p.rope.x_dtype) *
-                        (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim;
-  const int64_t per_token = bytes * 5 / 2;
+  const int64_t per_token = 2 * rope::dtype_size(p.rope.x_dtype) *
+                            (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim;
   over_tokens(p.rope.n_tokens, per_token,
               [&](int64_t begin, int64_t end) { rope::cpu::norm_rotate_tokens(p, begin, end); });
 }

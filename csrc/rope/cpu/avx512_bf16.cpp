@@ -26,9 +26,15 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 
 #include "avx512_kernel.h"
+#include "avx512_norm.h"
 
 void rope::cpu::detail::rotate_tokens_avx512_bf16(const RopeParams& p, int64_t begin, int64_t end) {
   host::rotate_tokens_avx512_body(p, begin, end);
+}
+
+void rope::cpu::detail::norm_rotate_tokens_avx512_bf16(const NormParams& np, int64_t begin,
+                                                       int64_t end) {
+  host::norm_rotate_tokens_avx512_body(np, begin, end);
 }
 
 #endif

@@ -25,9 +25,11 @@ void rotate_tokens_avx512_bf16(const RopeParams& p, int64_t begin, int64_t end);
 void rotate_tokens_neon(const RopeParams& p, int64_t begin, int64_t end);
 // The portable build.
 void rotate_tokens_scalar(const RopeParams& p, int64_t begin, int64_t end);
-// The fused QK-RMSNorm + rotary (cpu/qk_norm.h): portable and AVX2 builds.
+// The fused QK-RMSNorm + rotary (cpu/qk_norm.h): portable, AVX2 and AVX-512 builds.
 void norm_rotate_tokens_scalar(const NormParams& np, int64_t begin, int64_t end);
 void norm_rotate_tokens_avx2(const NormParams& np, int64_t begin, int64_t end);
+void norm_rotate_tokens_avx512(const NormParams& np, int64_t begin, int64_t end);
+void norm_rotate_tokens_avx512_bf16(const NormParams& np, int64_t begin, int64_t end);
 }  // namespace detail
 }  // namespace cpu
 

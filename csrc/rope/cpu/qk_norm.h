@@ -1,6 +1,7 @@
 // CPU kernel of the fused QK-RMSNorm + rotary: the token loop and the
-// portable head, shared by the portable build (cpu/kernel.cpp) and the AVX2
-// build (cpu/avx2.cpp, whose head type vectorizes the same steps). Per token,
+// portable head, shared by the portable build (cpu/kernel.cpp), the AVX2
+// build (cpu/avx2.cpp) and the AVX-512 builds (cpu/avx512_norm.h), whose head
+// types vectorize the same steps. Per token,
 // the RMSNorm scale of each head (sum of squares), then one pass per head:
 // every feature normalised (x * rms * w, rounded to the storage type) and, for
 // the rotary features, rotated in registers before the one store. Torch-free.
