@@ -1,8 +1,10 @@
 // CPU kernels of the rope_ext ops.
+#include <strings.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "../rope/cpu/cpu.h"
 #include "../rope/rope.h"
@@ -19,17 +21,27 @@ void check_positions_cpu(const rope::RopeParams& p) {
 }
 
 // Bytes a thread should move (read + written) before splitting pays for waking
-// another one: waking torch's OpenMP workers costs about as much as rotating
-// this many bytes (benchmarks/cpu-serving.md, "Threads"). Smaller steps stay
-// on the calling thread; larger ones split into one contiguous block of tokens
-// per thread (torch::stable::parallel_for, so torch.set_num_threads applies).
-constexpr int64_t kMinBytesPerChunk = int64_t(256) << 10;
+// another one. While torch's OpenMP workers still spin from the last parallel
+// region, waking them costs about as much as rotating 256 KiB; when they sleep
+// (OMP_WAIT_POLICY=passive) about 100 us, so a thread then takes 1 MiB
+// (benchmarks/cpu-serving.md, "Intel Xeon with AVX-512"). Smaller steps stay on the calling
+// thread; larger ones split into one contiguous block of tokens per thread
+// (torch::stable::parallel_for, so torch.set_num_threads applies).
+int64_t min_bytes_per_chunk() {
+  static const int64_t bytes = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    const bool passive = policy && strcasecmp(policy, "passive") == 0;
+    return passive ? int64_t(1) << 20 : int64_t(256) << 10;
+  }();
+  return bytes;
+}
 
 void launch_cpu(const rope::RopeParams& p, const Tensor&) {
   int64_t per_token = 0;  // bytes read + written per token
   for (int t = 0; t < p.n_tensors; ++t) per_token += 2 * p.t[t].n_heads * p.head_dim;
   per_token *= rope::dtype_size(p.x_dtype);
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerChunk / std::max<int64_t>(1, per_token));
+  const int64_t grain =
+      std::max<int64_t>(1, min_bytes_per_chunk() / std::max<int64_t>(1, per_token));
   if (p.n_tokens <= grain) {
     rope::cpu::rotate_tokens(p, 0, p.n_tokens);  // no call into the thread pool
     return;
@@ -43,7 +55,7 @@ void launch_cpu(const rope::RopeParams& p, const Tensor&) {
 template <class F>
 void over_tokens(int64_t n_tokens, int64_t bytes_per_token, F&& f) {
   const int64_t grain =
-      std::max<int64_t>(1, kMinBytesPerChunk / std::max<int64_t>(1, bytes_per_token));
+      std::max<int64_t>(1, min_bytes_per_chunk() / std::max<int64_t>(1, bytes_per_token));
   if (n_tokens <= grain) return f(int64_t(0), n_tokens);
   torch::stable::parallel_for(0, n_tokens, grain,
                               [&](int64_t begin, int64_t end) { f(begin, end); });
