@@ -15,7 +15,7 @@ endif
 export ROPE_EXT_TESTING := 1
 SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/rope/*/*)
 EXT_STAMP := build/.ext-stamp
-CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/rope/*/* tests/native/*.cpp)
+CXX_FILES = $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*/* tests/native/*.cpp)
 PY_DIRS := rope_ext tests benchmarks examples setup.py
 
 .PHONY: install build test test-quick test-sanitize bench lint format clean
@@ -26,7 +26,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) torch ninja setuptools wheel build
-	$(PIP) pytest pytest-xdist hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format
+	$(PIP) pytest pytest-xdist hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format \
+		onnx onnxscript onnxruntime openvino
 	touch $@
 
 # The libraries (CPU, CUDA, test-only) build side by side (--parallel), each with ninja inside.
@@ -81,6 +82,7 @@ SAN_TESTS ?= tests/test_hostile_integers.py tests/test_fuzz_ops.py tests/test_cr
 # (a hostile shape) returns null to torch, which raises, instead of stopping the process.
 SAN_ISA_TESTS ?= tests/test_crash_fuzz.py tests/test_ops.py tests/test_positions_rule.py \
 	tests/test_serving_cache.py tests/test_serving_fp8.py tests/test_serving_norm.py
+SAN_RUNS := all scalar avx2 avx512
 SAN_ENV := ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ROPE_EXT_EXPECT_PACKAGE=$(SAN) \
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)"
@@ -93,12 +95,17 @@ test-sanitize: install
 	@echo "== the sanitizer build in $(SAN) (compiler lines in $(SAN)/build.log)"
 	@ROPE_EXT_SANITIZE=1 ROPE_EXT_CPU_ONLY=1 $(PY) setup.py -q build_ext --parallel 2 -b $(SAN) -t $(SAN)/temp \
 		> $(SAN)/build.log 2>&1 || { tail -40 $(SAN)/build.log; exit 1; }
-	$(SAN_ENV) $(SAN_PYTEST) -n $(PYTEST_WORKERS) --dist loadfile $(SAN_TESTS) $(PYTEST_ARGS)
-	@# The reruns per instruction set are short: one process (two workers' start under ASan costs more).
-	for isa in scalar avx2 avx512; do \
-		echo "sanitizer build, ROPE_EXT_CPU_ISA=$$isa"; \
-		$(SAN_ENV) ROPE_EXT_CPU_ISA=$$isa $(SAN_PYTEST) -k "not emu" $(SAN_ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
-	done
+	@# The suite on the best set (two workers) and the reruns on each set below it (one process each) run
+	@# side by side, each into its own log ($(SAN)/<run>.log), summed up when all are done.
+	@for run in $(SAN_RUNS); do \
+		if [ $$run = all ]; then cap=; set -- -n $(PYTEST_WORKERS) --dist loadfile $(SAN_TESTS); \
+		else cap=ROPE_EXT_CPU_ISA=$$run; set -- -k "not emu" $(SAN_ISA_TESTS); fi; \
+		( $(SAN_ENV) env $$cap $(SAN_PYTEST) "$$@" $(PYTEST_ARGS) > $(SAN)/$$run.log 2>&1; echo $$? > $(SAN)/$$run.rc ) & \
+	done; wait; status=0; \
+	for run in $(SAN_RUNS); do \
+		echo "sanitizer build, $$run: $$(tail -n 1 $(SAN)/$$run.log)"; \
+		if [ "$$(cat $(SAN)/$$run.rc)" != 0 ]; then tail -n 100 $(SAN)/$$run.log; status=1; fi; \
+	done; exit $$status
 
 # Without an NVIDIA GPU, `make bench` builds the CPU libraries only (make test and CI still build CUDA).
 GPU := $(shell nvidia-smi -L 2>/dev/null | head -1)

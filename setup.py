@@ -83,7 +83,7 @@ def extensions():
         exts.append(
             cpp_extension.CppExtension(
                 "rope_ext._C_testing",
-                binding + ["csrc/ops/cuda_emulated.cpp"],
+                binding + sorted(glob.glob("csrc/ops/emulated/*.cpp")),
                 extra_compile_args={"cxx": cxx},
                 **common,
             )

@@ -149,7 +149,7 @@ def test_type_errors_are_tagged_and_mapped(fragment):
 def test_every_cpp_type_check_is_covered():
     """Each TypeError check in csrc/ops is in CASES (or provably unreachable from Python)."""
     found = set()
-    for path in (ROOT / "csrc" / "ops").glob("*.cpp"):
+    for path in (ROOT / "csrc" / "ops").rglob("*.cpp"):
         for call in re.findall(r"ROPE_CHECK\(TypeError,(.*?)\);", path.read_text(), flags=re.S):
             literal = next(m for m in re.findall(r'"((?:[^"\\]|\\.)*)"', call) if "must" in m)
             found.add(literal.strip())

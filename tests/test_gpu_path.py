@@ -1,6 +1,6 @@
 """The CUDA path's hazards that only parallel hardware shows, caught on the CPU.
 
-* The emulated launch (``csrc/ops/emulated_launch.h``) runs every CUDA body twice, in launch order and
+* The emulated launch (``csrc/ops/emulated/launch.h``) runs every CUDA body twice, in launch order and
   shuffled, and fails on a byte that one thread writes and another reads or writes: checked here on toy
   bodies (``tests/native/race_check.cpp``) and on the real cache op with two tokens sharing a slot.
 * Written tensors that hold what every thread reads (positions, cos/sin, slots, scales, norm weights)

@@ -1,4 +1,4 @@
-// The emulated launch's checks (csrc/ops/emulated_launch.h) on toy bodies: a data race between two
+// The emulated launch's checks (csrc/ops/emulated/launch.h) on toy bodies: a data race between two
 // threads (a read and a write, two writes), a result that depends on the order threads run in, and
 // a race-free launch that must pass and leave its result. Prints one line per case; exit 0 when
 // every case behaves as expected.
@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <string>
 
-#include "../../csrc/ops/emulated_launch.h"
+#include "../../csrc/ops/emulated/launch.h"
 
 namespace {
 

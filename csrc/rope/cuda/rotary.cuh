@@ -1,7 +1,7 @@
 // CUDA rotary kernel, torch-free: the launch shape (plan_launch) and the body
 // each thread runs (rotary_thread), a host-device function. The launcher
 // (cuda/rotary_launch.cu) calls it from a __global__ wrapper over the grid that
-// plan_launch chose; the host emulation (csrc/ops/cuda_emulated.cpp) calls it
+// plan_launch chose; the host emulation (csrc/ops/emulated/) calls it
 // over the same grid on the CPU, so the indexing is tested without a GPU.
 //
 // Work split. A block handles one token at a time (grid-stride over tokens in
@@ -69,7 +69,7 @@ struct Word {
 #endif
 
 // Every global access of a body is reported through note_read / note_write (before it happens). On
-// the GPU they are empty. The host emulation (ROPE_EMULATION, csrc/ops/cuda_emulated.cpp) sets an
+// the GPU they are empty. The host emulation (ROPE_EMULATION, csrc/ops/emulated/) sets an
 // AccessLog that finds two threads of one launch touching one byte, one of them writing (a race on
 // the GPU), and that can undo a launch's writes to run it again in another order.
 #if defined(ROPE_EMULATION)

@@ -1,7 +1,7 @@
 // CUDA bodies of the serving ops, torch-free, in the style of cuda/rotary.cuh:
 // a launch plan chosen on the host and host-device functions that one thread
-// (or one warp, in phases) runs. cuda/serving_launch.cu wraps them in __global__
-// kernels; csrc/ops/cuda_emulated.cpp runs them on the CPU over the same grid.
+// (or one warp, in phases) runs. cuda/cache_launch.cu and cuda/norm_launch.cu wrap them in
+// __global__ kernels; csrc/ops/emulated/ runs them on the CPU over the same grid.
 //
 // RoPE + KV-cache write (cache_thread): the rotary tile of rotary_thread (a
 // block per token, lanes over units of a head, rows over heads) with the rows

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "binding.h"
+#include "../binding.h"
 
 namespace rope_ext {
 

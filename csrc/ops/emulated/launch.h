@@ -18,9 +18,9 @@
 #include <vector>
 
 #ifndef ROPE_EMULATION
-#error "include emulated_launch.h after defining ROPE_EMULATION (before the CUDA bodies)"
+#error "include emulated/launch.h after defining ROPE_EMULATION (before the CUDA bodies)"
 #endif
-#include "../rope/cuda/rotary.cuh"
+#include "../../rope/cuda/rotary.cuh"
 
 namespace rope_ext {
 

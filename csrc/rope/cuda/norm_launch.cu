@@ -1,16 +1,11 @@
-// The CUDA launchers of the serving ops: __global__ wrappers around the bodies
-// of cuda/serving.cuh, over the grids their plans choose.
+// The CUDA launcher of QK-RMSNorm + RoPE: one warp per group of (token, head)
+// items, norm_phase1 / norm_phase2 (cuda/serving.cuh) ordered by __syncwarp().
 #include "launch.h"
 #include "serving.cuh"
 
 namespace rope {
 namespace gpu {
 namespace {
-
-template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(256) cache_kernel(const CacheParams p, const CacheLaunch l) {
-  cache_thread<T, CS, Pos, IL, Vec>(p, l, this_thread());
-}
 
 template <class T, class CS, class Pos, bool IL, bool Vec>
 __global__ void __launch_bounds__(kWarp* kNormWarps)
@@ -33,17 +28,6 @@ __global__ void __launch_bounds__(kWarp* kNormWarps)
 }
 
 }  // namespace
-
-cudaError_t launch_cache(const CacheParams& p, int num_sms, cudaStream_t stream) {
-  const CacheLaunch l = plan_cache_launch(p, num_sms);
-  if (!cache_has_work(p, l)) return cudaSuccess;
-  dispatch_cuda(p.rope, l.grid.vectorized, [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-    cache_kernel<T, CS, Pos, IL, Vec>
-        <<<dim3(unsigned(l.grid.grid_x), unsigned(l.grid.grid_y)),
-           dim3(unsigned(l.grid.block_x), unsigned(l.grid.block_y)), 0, stream>>>(p, l);
-  });
-  return cudaGetLastError();
-}
 
 cudaError_t launch_norm(const NormParams& p, int num_sms, cudaStream_t stream) {
   const NormLaunch l = plan_norm_launch(p, num_sms);
