@@ -106,6 +106,7 @@ def apply_rotary_qk(
     cos_sin: Tensor,
     *,
     interleaved: bool = False,
+    inverse: bool = False,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
     mrope_interleaved: bool = False,
@@ -113,9 +114,9 @@ def apply_rotary_qk(
     """Rotate ``q`` and ``k`` (same rank and head_dim, head counts may differ) in one launch.
 
     ``positions`` broadcasts to both ``q.shape[:-1]`` and ``k.shape[:-1]``. Equal to two
-    :func:`apply_rotary` calls; differentiable in ``q`` and ``k``.
+    :func:`apply_rotary` calls (``inverse`` as there); differentiable in ``q`` and ``k``.
     """
-    options = (interleaved, False, rotary_offset, mrope_section, mrope_interleaved)
+    options = (interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved)
     return ROTARY_QK.call(ROTARY_QK.check((q, k, positions, cos_sin), options))
 
 
@@ -126,11 +127,13 @@ def apply_rotary_qk_(
     cos_sin: Tensor,
     *,
     interleaved: bool = False,
+    inverse: bool = False,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
     mrope_interleaved: bool = False,
 ) -> None:
-    """Rotate ``q`` and ``k`` in place (``k`` may be None); no allocation, CUDA-graph safe.
+    """Rotate ``q`` and ``k`` in place (``k`` may be None); no allocation, CUDA-graph safe. ``inverse``
+    rotates by the negative angle (DeepSeek-V4-style output rotation; :func:`apply_rotary`).
 
     Every argument is checked before anything is written: on error q and k are unchanged.
     q and k must not overlap in memory, nor have elements that alias each other (expanded views).
@@ -142,7 +145,7 @@ def apply_rotary_qk_(
     forward-mode AD).
     """
     inputs = (q, k, positions, cos_sin)
-    options = (interleaved, False, rotary_offset, mrope_section, mrope_interleaved)
+    options = (interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved)
     if (
         type(q) is type(positions) is type(cos_sin) is Tensor
         and not q.requires_grad

@@ -95,14 +95,8 @@ def rotate_qk(
         q_out, k_out, _ = emulate(backend, q, k, positions, cos_sin, inverse=inverse, inplace=inplace, **kw)
         return q_out, k_out
     if inplace:
-        assert not inverse
-        rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, **kw)
+        rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, inverse=inverse, **kw)
         return q, k
     if k is None:
         return rope_ext.apply_rotary(q, positions, cos_sin, inverse=inverse, **kw), None
-    if inverse:
-        return (
-            rope_ext.apply_rotary(q, positions, cos_sin, inverse=True, **kw),
-            rope_ext.apply_rotary(k, positions, cos_sin, inverse=True, **kw),
-        )
-    return rope_ext.apply_rotary_qk(q, k, positions, cos_sin, **kw)
+    return rope_ext.apply_rotary_qk(q, k, positions, cos_sin, inverse=inverse, **kw)

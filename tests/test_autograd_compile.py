@@ -63,9 +63,20 @@ def test_gradcheck(backend, interleaved):
     assert torch.autograd.gradcheck(
         lambda t: rope_ext.apply_rotary(t, pos, cs, interleaved=interleaved, inverse=True), (x,)
     )
-    assert torch.autograd.gradcheck(
-        lambda a, b: rope_ext.apply_rotary_qk(a, b, pos, cs, interleaved=interleaved), (x, k)
-    )
+    for inverse in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda a, b, inv=inverse: rope_ext.apply_rotary_qk(
+                a, b, pos, cs, interleaved=interleaved, inverse=inv
+            ),
+            (x, k),
+        )
+
+        def in_place(a, b, inv=inverse):
+            a, b = a.clone(), b.clone()
+            rope_ext.apply_rotary_qk_(a, b, pos, cs, interleaved=interleaved, inverse=inv)
+            return a, b
+
+        assert torch.autograd.gradcheck(in_place, (x, k))
     assert torch.autograd.gradgradcheck(
         lambda t: rope_ext.apply_rotary(t, pos, cs, interleaved=interleaved), (x,)
     )
@@ -101,7 +112,9 @@ def _fn_all_ops(q, k, pos, cs):
     q2, k2 = q.clone(), k.clone()
     rope_ext.apply_rotary_qk_(q2, k2, pos, cs)
     rope_ext.apply_rotary_qk_(b, None, pos, cs)
-    return a + q2, b, c + k2
+    d, e = rope_ext.apply_rotary_qk(a, k, pos, cs, inverse=True)
+    rope_ext.apply_rotary_qk_(q2, e, pos, cs, inverse=True, interleaved=True)
+    return a + q2, b, c + k2, d, e
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

@@ -196,6 +196,13 @@ def test_qk_equals_two_calls_and_inverse(backend, interleaved):
     back, _ = rotate_qk(backend, qo, None, pos, cs, interleaved=interleaved, inverse=True)
     assert (back - q).abs().max().item() < 1e-5
     check(back, qo, pos, cs, interleaved, inverse=True)
+    # inverse on the q+k ops, out of place and in place: the reference's inverse rotation, both tensors.
+    qb, kb = rotate_qk(backend, qo, ko, pos, cs, interleaved=interleaved, inverse=True)
+    check(qb, qo, pos, cs, interleaved, inverse=True)
+    check(kb, ko, pos, cs, interleaved, inverse=True)
+    qi, ki = qo.clone(), ko.clone()
+    rotate_qk(backend, qi, ki, pos, cs, interleaved=interleaved, inverse=True, inplace=True)
+    assert torch.equal(qi, qb) and torch.equal(ki, kb)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
