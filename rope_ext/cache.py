@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -136,9 +136,43 @@ class RopeCache:
         inv, attn = self._params(int(max_positions))
         self._table = _Table(self._rows(0, max_positions, inv, attn), inv, attn, int(max_positions), 0)
         self._copies: dict[torch.device, tuple[int, Tensor]] = {}
-        # MRoPE settings of the model (from_hf_config), for the ops' mrope_section / mrope_interleaved.
-        self.mrope_section: tuple[int, int, int] | None = None
+        # Position axes (from_hf_config's MRoPE, for_axes), for the ops' mrope_section / mrope_interleaved.
+        self.mrope_section: tuple[int, ...] | None = None if self._axes is None else self._axes[2]
         self.mrope_interleaved = False
+
+    # Per-axis frequencies (for_axes): (dims, thetas, sections), else None.
+    _axes: tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]] | None = None
+
+    @classmethod
+    def for_axes(
+        cls, axes_dim: Sequence[int], theta: float | Sequence[float] = 10000.0, **kwargs: Any
+    ) -> RopeCache:
+        """The table of RoPE over several position axes, each with its own frequencies (FLUX's
+        ``axes_dim``, HunyuanVideo's ``rope_dim``, Wan's t/h/w split; 2-D vision, 3-D video).
+
+        Axis ``a`` rotates ``axes_dim[a]`` features (an even number; ``rotary_dim = sum(axes_dim)``) with
+        the frequencies ``theta_a ** (-2 i / axes_dim[a])``, ``i < axes_dim[a] / 2``, restarting per axis
+        (``theta`` is one base or one per axis); the table's pairs are axis 0's, then axis 1's, and so on.
+        :attr:`mrope_section` is ``axes_dim / 2`` per axis: pass it to the ops with positions ``[n_axes,
+        ...]`` (``interleaved=True`` for FLUX's and Wan's pairs ``(2j, 2j+1)``). Other keyword arguments are
+        the constructor's (``max_positions``, ``device``, ``dtype``); no scaling.
+        """
+        from .checks import MAX_AXES
+
+        dims = tuple(axes_dim) if isinstance(axes_dim, (list, tuple)) else ()
+        if not 1 <= len(dims) <= MAX_AXES or not all(type(d) is int and d > 0 and d % 2 == 0 for d in dims):
+            raise ValueError(f"axes_dim must be 1 to {MAX_AXES} positive even ints, got {axes_dim!r}")
+        thetas = tuple(theta) if isinstance(theta, (list, tuple)) else (theta,) * len(dims)
+        if len(thetas) != len(dims) or not all(
+            isinstance(t, (int, float)) and t > 1.0 and math.isfinite(t) for t in thetas
+        ):
+            raise ValueError(f"theta must be a finite number > 1 or one per axis, got {theta!r}")
+        if "scaling" in kwargs or "base" in kwargs:
+            raise TypeError("for_axes takes theta, not base or scaling")
+        cache = cls.__new__(cls)
+        cache._axes = (dims, tuple(float(t) for t in thetas), tuple(d // 2 for d in dims))
+        cache.__init__(sum(dims), float(thetas[0]), **kwargs)
+        return cache
 
     # -- construction from a transformers config -------------------------------------------------
 
@@ -193,6 +227,13 @@ class RopeCache:
     # -- parameters --------------------------------------------------------------------------------
 
     def _params(self, seq_len: int) -> tuple[Tensor, float]:
+        if self._axes is not None:
+            dims, thetas, _ = self._axes
+            inv = [
+                t ** -(torch.arange(0, d, 2, dtype=torch.float64) / d)
+                for d, t in zip(dims, thetas, strict=True)
+            ]
+            return torch.cat(inv), 1.0
         return inv_freq_and_attention_factor(self.rotary_dim, self.base, self.scaling, seq_len)
 
     @property

@@ -17,6 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "FP8_DTYPES",
+    "MAX_AXES",
     "TYPE_ERROR_TAG",
     "cache_args",
     "position_checks",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Position axes (len(mrope_section)) at most: the kernels' kMaxAxes (csrc/rope/params.h).
+MAX_AXES = 8
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -123,7 +126,7 @@ def _sections(mrope_section) -> list[int] | None:
     if mrope_section is None:
         return None
     if isinstance(mrope_section, Tensor) or not all(type(v) is int for v in mrope_section):
-        raise TypeError(f"mrope_section must be a sequence of 3 ints, got {mrope_section!r}")
+        raise TypeError(f"mrope_section must be a sequence of ints, got {mrope_section!r}")
     return list(mrope_section)
 
 

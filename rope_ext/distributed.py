@@ -114,7 +114,7 @@ def _placements(q: Any, positions: Any, mrope: bool) -> list[tuple[Any, Any]]:
 
     out = [(Replicate(), Replicate())]
     pshape = tuple(positions.shape)
-    lead = 1 if mrope else 0  # MRoPE positions [3, ...]: the section dim is not a token dim
+    lead = 1 if mrope else 0  # MRoPE positions [n_axes, ...]: the axis dim is not a token dim
     n, m = q.ndim - 1, len(pshape) - lead  # batch dims of q, token-aligned dims of positions
     for d in range(n):
         pd = d - (n - m)  # positions are aligned to the right of q.shape[:-1]

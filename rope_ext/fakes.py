@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import FP8_DTYPES, split_qkv
+from .checks import FP8_DTYPES, MAX_AXES, split_qkv
 from .positions import positions_shape
 from .specs import CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
 
@@ -92,15 +92,16 @@ def _section_positions(a: Any) -> Tensor:
             raise ValueError("mrope_interleaved needs mrope_section")
         return positions
     half = a.cos_sin.shape[-1] // 2
-    if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != half:
+    n = len(mrope_section)
+    if not 1 <= n <= MAX_AXES or min(mrope_section) < 0 or sum(mrope_section) != half:
         raise ValueError(
-            "mrope_section must be 3 non-negative ints (temporal, height, width) summing to "
-            f"rotary_dim / 2 = {half}, got {list(mrope_section)}"
+            f"mrope_section must be 1 to {MAX_AXES} non-negative ints (pairs per position axis, e.g. "
+            f"temporal, height, width) summing to rotary_dim / 2 = {half}, got {list(mrope_section)}"
         )
-    if positions.dim() < 1 or positions.shape[0] != 3:
+    if positions.dim() < 1 or positions.shape[0] != n:
         raise ValueError(
-            "positions must have a leading section dim of size 3 ([3, ...]) with mrope_section, "
-            f"got shape {list(positions.shape)}"
+            f"positions must have a leading axis dim of size len(mrope_section) = {n} ([{n}, ...]) with "
+            f"mrope_section, got shape {list(positions.shape)}"
         )
     return positions[0]
 
@@ -143,7 +144,7 @@ def _serving_qk(a: Any, q: Tensor, k: Tensor) -> None:
     if not per_token or expanded:
         raise ValueError(
             f"positions must hold one position per token of q ({T} tokens) with a nonzero stride: [T] "
-            "(or [3, T] with mrope_section)"
+            "(or [n_axes, T] with mrope_section)"
         )
 
 

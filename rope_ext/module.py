@@ -57,7 +57,7 @@ class RotaryEmbedding(nn.Module):
         scaling: Mapping[str, Any] | None = None,
         interleaved: bool = False,
         max_positions: int = 2048,
-        mrope_section: tuple[int, int, int] | None = None,
+        mrope_section: tuple[int, ...] | None = None,
         mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
@@ -69,9 +69,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.interleaved = bool(interleaved)
-        if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2):
+        if mrope_section is not None and sum(mrope_section) != rotary_dim // 2:
             raise ValueError(
-                f"mrope_section must be 3 ints summing to rotary_dim / 2 = {rotary_dim // 2}, "
+                f"mrope_section must be ints summing to rotary_dim / 2 = {rotary_dim // 2}, "
                 f"got {mrope_section!r}"
             )
         self.mrope_section = None if mrope_section is None else tuple(mrope_section)
@@ -163,7 +163,7 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(offset, offset + seq, device=q.device)[:, None]
         else:
             mrope = self.mrope_section is not None
-            tok = positions.shape[1:] if mrope else positions.shape  # MRoPE: [3, ...]
+            tok = positions.shape[1:] if mrope else positions.shape  # MRoPE: [n_axes, ...]
             nd = len(tok)
             if 0 < nd <= q.dim() - 2 and tuple(tok) == tuple(q.shape[-2 - nd : -2]):
                 positions = positions[..., None]  # per token: broadcast over heads

@@ -59,9 +59,9 @@ def _set_cpu_isa(name: str) -> str:
     return previous
 
 
-def _int_triple(v) -> bool:
-    """Whether ``v`` is a tuple or list of three ints (an ``mrope_section`` the op takes as it is)."""
-    return type(v) in (tuple, list) and len(v) == 3 and type(v[0]) is type(v[1]) is type(v[2]) is int
+def _int_list(v) -> bool:
+    """Whether ``v`` is a tuple or list of ints (an ``mrope_section`` the op takes as it is)."""
+    return type(v) in (tuple, list) and all(type(x) is int for x in v)
 
 
 @typed_errors
@@ -90,7 +90,10 @@ def apply_rotary(
     ``x.shape[:-1]``) and pair ``j`` takes the position of its section: ``positions[0]`` for ``j < t``,
     ``positions[1]`` for ``t <= j < t + h``, ``positions[2]`` after; with ``mrope_interleaved=True``
     (Qwen3-VL) pair ``j`` takes ``positions[1]`` when ``j % 3 == 1 and j < 3 h``, ``positions[2]`` when
-    ``j % 3 == 2 and j < 3 w``, else ``positions[0]``.
+    ``j % 3 == 2 and j < 3 w``, else ``positions[0]``. Any number of axes (1 to 8; 2-D vision, 3-D video):
+    ``mrope_section`` holds the pairs of each, ``positions`` is ``[len(mrope_section), ...]``; contiguous
+    sections are runs of pairs in axis order, interleaved ones (``n`` axes) put pair ``j`` on axis
+    ``j % n`` while ``j < n * mrope_section[j % n]``, else on axis 0 (``reference.mrope_rows``).
     Differentiable in ``x`` (the gradient is the inverse rotation); ``positions`` and ``cos_sin``
     get no gradient.
     """
@@ -151,7 +154,7 @@ def apply_rotary_qk_(
         and not q.requires_grad
         and (k is None or (type(k) is Tensor and not k.requires_grad))
         and type(rotary_offset) is int
-        and (mrope_section is None or _int_triple(mrope_section))
+        and (mrope_section is None or _int_list(mrope_section))
         and not position_checks.on_device
         and not _is_compiling()
     ):

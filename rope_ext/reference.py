@@ -53,18 +53,20 @@ def cos_sin_table(n_positions: int, rotary_dim: int, base: float = 10000.0) -> T
 
 
 def mrope_rows(half: int, mrope_section, mrope_interleaved: bool = False) -> Tensor:
-    """MRoPE: the section (0 temporal, 1 height, 2 width) whose position rotates each of the ``half`` pairs,
-    int64 ``[half]``. Contiguous sections (Qwen2-VL): ``t`` pairs, then ``h``, then ``w``. Interleaved
-    (Qwen3-VL): pair ``j`` is height when ``j % 3 == 1 and j < 3 h``, width when ``j % 3 == 2 and
-    j < 3 w``, else temporal."""
-    t, hh, w = mrope_section
+    """Several position axes (MRoPE: 0 temporal, 1 height, 2 width): the axis whose position rotates each of
+    the ``half`` pairs, int64 ``[half]``. Contiguous sections (Qwen2-VL, FLUX): ``mrope_section[0]`` pairs
+    of axis 0, then ``mrope_section[1]`` of axis 1, and so on. Interleaved (Qwen3-VL; ``n`` axes): pair
+    ``j`` takes axis ``a = j % n`` when ``a > 0 and j < n * mrope_section[a]``, else axis 0 (with 3 axes:
+    height when ``j % 3 == 1 and j < 3 h``, width when ``j % 3 == 2 and j < 3 w``, else temporal)."""
+    n = len(mrope_section)
     j = torch.arange(half)
     if mrope_interleaved:
         rows = torch.zeros(half, dtype=torch.long)
-        rows[(j % 3 == 1) & (j < 3 * hh)] = 1
-        rows[(j % 3 == 2) & (j < 3 * w)] = 2
+        for a in range(1, n):
+            rows[(j % n == a) & (j < n * mrope_section[a])] = a
         return rows
-    return (j >= t).long() + (j >= t + hh).long()
+    ends = torch.tensor(list(mrope_section), dtype=torch.long).cumsum(0)[:-1]
+    return (j[:, None] >= ends[None, :]).long().sum(-1)
 
 
 def _cos_sin(
@@ -77,10 +79,10 @@ def _cos_sin(
     rows = cos_sin.to(torch.float64)[positions.long().reshape((*lead, *shape))]
     h = cos_sin.shape[-1] // 2
     c, s = rows[..., :h], rows[..., h:]
-    if mrope_section is not None:  # rows [3, ..., rotary_dim]: pair j from its section's row
+    if mrope_section is not None:  # rows [n_axes, ..., rotary_dim]: pair j from its axis's row
         sec = mrope_rows(h, mrope_section, mrope_interleaved).to(rows.device)
-        c = torch.where(sec == 0, c[0], torch.where(sec == 1, c[1], c[2]))
-        s = torch.where(sec == 0, s[0], torch.where(sec == 1, s[1], s[2]))
+        axis = sec.reshape((1,) * (c.dim() - 1) + (h,)).expand((1, *c.shape[1:]))
+        c, s = c.gather(0, axis)[0], s.gather(0, axis)[0]
     if inverse:
         s = -s
     shape = (*x.shape[:-1], h)

@@ -2,7 +2,7 @@
 
 Tokens are flattened: ``q [T, Hq, D]``, ``k [T, Hk, D]``, ``v [T, Hk, Dv]`` (views of a packed QKV
 tensor work: any strides but a contiguous last dim), one position per token (``positions [T]``, int32
-or int64; ``[3, T]`` with ``mrope_section``). ``cos_sin [P, rotary_dim]`` as for
+or int64; ``[n_axes, T]`` with ``mrope_section``). ``cos_sin [P, rotary_dim]`` as for
 :func:`rope_ext.apply_rotary`. Arithmetic in float32 (float64 for float64 inputs).
 
 As in :mod:`rope_ext.ops`, each function builds its op's arguments once, in schema order, for the op's
@@ -75,7 +75,7 @@ def apply_rotary_qk_and_cache_(
       rotation goes to q_out; an fp8 q_out holds ``quantize_fp8(apply_rotary(q), q_scale)`` (the
       rotation rounded to q's dtype first, like k in its cache).
 
-    ``positions`` ``[T]`` (``[3, T]`` with ``mrope_section``, as :func:`rope_ext.apply_rotary`);
+    ``positions`` ``[T]`` (``[n_axes, T]`` with ``mrope_section``, as :func:`rope_ext.apply_rotary`);
     ``rotary_offset`` as there. One kernel launch on CUDA, no allocation and no host synchronisation
     (CUDA-graph safe); one parallel pass over tokens on CPU. Every argument is checked before the
     first write: on error q, k, v and both caches are unchanged. An inference op: no autograd.

@@ -137,7 +137,7 @@ def build(
     mrope_interleaved=False,
 ) -> Case:  # fmt: skip
     """``q_out``: None, "same" (q's dtype) or an fp8 dtype. ``packed``: q, k, v views of one qkv.
-    ``mrope_section``: MRoPE, positions ``[3, T]``."""
+    ``mrope_section``: several position axes (MRoPE), positions ``[len(mrope_section), T]``."""
     gen = torch.Generator().manual_seed(seed)
     Dv = D if Dv is None else Dv
     rd = D - rotary_offset if rotary_dim is None else rotary_dim
@@ -154,7 +154,7 @@ def build(
         c.q = rnd(Hq, T, D).transpose(0, 1)
         c.k = rnd(T, 2 * Hk, D)[:, ::2]
         c.v = rnd(T + 1, Hk, Dv)[1:]
-    pos_shape = (T,) if mrope_section is None else (3, T)
+    pos_shape = (T,) if mrope_section is None else (len(mrope_section), T)
     c.positions = torch.randint(0, N_POS, pos_shape, generator=gen).to(pos_dtype)
     c.cos_sin = _cos_sin(rd)
     cdt = dtype if cache_dtype is None else cache_dtype

@@ -204,12 +204,18 @@ def test_bad_mrope_arguments_are_rejected_before_any_write():
         (
             dict(mrope_section=(8, 12, 11)),
             pos,
-            r"mrope_section must be 3 non-negative ints .* = 32, got \[8, 12, 11\]",
+            r"mrope_section must be 1 to 8 non-negative ints .* = 32, got \[8, 12, 11\]",
         ),
-        (dict(mrope_section=(8, 24)), pos, "mrope_section must be 3 non-negative ints"),
-        (dict(mrope_section=(-1, 21, 12)), pos, "mrope_section must be 3 non-negative ints"),
-        (dict(mrope_section=(8, 12, 12)), pos[:2], r"leading section dim of size 3 \(\[3, \.\.\.\]\)"),
-        (dict(mrope_section=(8, 12, 12)), pos[0], "leading section dim of size 3"),
+        (dict(mrope_section=(4,) * 8 + (0,)), pos, "mrope_section must be 1 to 8 non-negative ints"),
+        (dict(mrope_section=()), pos, "mrope_section must be 1 to 8 non-negative ints"),
+        (dict(mrope_section=(-1, 21, 12)), pos, "mrope_section must be 1 to 8 non-negative ints"),
+        (dict(mrope_section=(8, 24)), pos, r"leading axis dim of size len\(mrope_section\) = 2 \(\[2, "),
+        (
+            dict(mrope_section=(8, 12, 12)),
+            pos[:2],
+            r"leading axis dim of size len\(mrope_section\) = 3 \(\[3, ",
+        ),
+        (dict(mrope_section=(8, 12, 12)), pos[0], "leading axis dim of size len"),
         (dict(mrope_interleaved=True), pos[0], "mrope_interleaved needs mrope_section"),
     ]
     for kw, p, msg in cases:
@@ -217,7 +223,7 @@ def test_bad_mrope_arguments_are_rejected_before_any_write():
             rope_ext.apply_rotary_qk_(q, k, p, cs, **kw)
         with pytest.raises(ValueError, match=msg):
             rope_ext.apply_rotary_qk(q, k, p, cs, **kw)
-    with pytest.raises(TypeError, match="mrope_section must be a sequence of 3 ints"):
+    with pytest.raises(TypeError, match="mrope_section must be a sequence of ints"):
         rope_ext.apply_rotary_qk_(q, k, pos, cs, mrope_section=(8.0, 12, 12))
     bad = pos.clone()
     bad[2, 3, 0] = 300  # the width row of token 3 is outside the cache

@@ -110,13 +110,17 @@ def test_unaligned_shapes_take_the_scalar_path(config, dtype, interleaved, backe
     run_checked(c, backend, vectorized=False)
 
 
-# MRoPE (positions [3, T]): not an argument of the emulated op; the CPU and CUDA ops.
+# Several position axes (MRoPE: positions [3, T]; 2-D and 4-axis ones): not an argument of the emulated
+# op; the CPU and CUDA ops.
 MROPE = {
     "mrope": dict(mrope_section=(16, 24, 24)),
     "mrope-interleaved-hnd-e4m3": dict(mrope_section=(24, 20, 20), mrope_interleaved=True, layout="HND",
                                        cache_dtype=E4M3, packed=True),
     "mrope-offset-e5m2-qout8": dict(rotary_dim=64, rotary_offset=32, mrope_section=(8, 12, 12), q_out=E5M2,
                                     cache_dtype=E5M2, slots="short"),
+    "axes-2": dict(mrope_section=(32, 32)),
+    "axes-4-interleaved-e4m3": dict(mrope_section=(8, 8, 8, 8), mrope_interleaved=True, rotary_dim=64,
+                                    cache_dtype=E4M3),
 }  # fmt: skip
 
 

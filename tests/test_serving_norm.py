@@ -76,13 +76,18 @@ def test_matches_reference_on_cuda(dtype, interleaved, head_dim, variant):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
-@pytest.mark.parametrize("mrope_interleaved", [False, True], ids=["mrope", "mrope-interleaved"])
+@pytest.mark.parametrize(
+    "mrope_interleaved,n_axes",
+    [(False, 3), (True, 3), (False, 2), (True, 4)],
+    ids=["mrope", "mrope-interleaved", "axes-2", "axes-4-interleaved"],
+)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", [128, 80])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mrope_matches_reference(dtype, interleaved, head_dim, variant, mrope_interleaved, backend):
-    """MRoPE (positions [3, T]; not an argument of the emulated op): the CPU and CUDA kernels."""
+def test_mrope_matches_reference(dtype, interleaved, head_dim, variant, mrope_interleaved, n_axes, backend):
+    """Several position axes (MRoPE: positions [3, T]; 2 and 4 axes; not an argument of the emulated op):
+    the CPU and CUDA kernels."""
     _against_reference(
         dtype,
         interleaved,
@@ -90,12 +95,13 @@ def test_mrope_matches_reference(dtype, interleaved, head_dim, variant, mrope_in
         variant,
         {backend: BACKENDS[backend]},
         mrope_interleaved=mrope_interleaved,
+        n_axes=n_axes,
     )
 
 
-def _against_reference(dtype, interleaved, head_dim, variant, backends, mrope_interleaved=None):
-    """The VARIANTS case on each of ``backends``; MRoPE (sections t, h, w of about a third of the pairs
-    each) unless ``mrope_interleaved`` is None."""
+def _against_reference(dtype, interleaved, head_dim, variant, backends, mrope_interleaved=None, n_axes=3):
+    """The VARIANTS case on each of ``backends``; ``n_axes`` position axes (MRoPE with 3: sections t, h, w
+    of about a third of the pairs each) unless ``mrope_interleaved`` is None."""
     heads, rotary, weight_offset, w_kind, eps, layout = VARIANTS[variant]
     d = head_dim
     rotary_dim = d if rotary == "full" else d // 2
@@ -104,15 +110,14 @@ def _against_reference(dtype, interleaved, head_dim, variant, backends, mrope_in
     tokens = 7
     big0, qkv0 = make_qkv(tokens, heads, d, dtype, layout=layout, seed=seed)
     qw, kw = make_weights(d, torch.float32 if w_kind == "f32" else dtype, weight_offset, seed=seed + 1)
-    pos_shape = (tokens,) if mrope_interleaved is None else (3, tokens)
+    pos_shape = (tokens,) if mrope_interleaved is None else (n_axes, tokens)
     pos = torch.randint(0, N_POS, pos_shape, generator=torch.Generator().manual_seed(seed))
     cs = make_cos_sin(N_POS, rotary_dim)
     opts = dict(eps=eps, interleaved=interleaved, weight_offset=weight_offset, rotary_offset=rotary_offset)
     if mrope_interleaved is not None:
-        third = rotary_dim // 6
-        opts |= dict(
-            mrope_section=[rotary_dim // 2 - 2 * third, third, third], mrope_interleaved=mrope_interleaved
-        )
+        part = rotary_dim // (2 * n_axes)
+        sections = [rotary_dim // 2 - (n_axes - 1) * part] + [part] * (n_axes - 1)
+        opts |= dict(mrope_section=sections, mrope_interleaved=mrope_interleaved)
     ref, tol = expected(qkv0, heads, qw, kw, pos, cs, **opts)
     state = [t.clone() for t in (qw, kw, pos, cs)]
     outside = torch.ones_like(big0, dtype=torch.bool)

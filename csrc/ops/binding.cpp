@@ -206,30 +206,32 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   ROPE_CHECK(ValueError, same_device(positions, q_in), "positions must be on the device of ", xname,
              " (", device_str(q_in), "), got ", device_str(positions));
 
-  // MRoPE: positions [3, ...]; the broadcast below is of positions[0] (its
-  // sizes and strides, same data pointer), and sections 1 and 2 sit at the
-  // same offsets plus a multiple of stride(0).
+  // Several position axes (MRoPE): positions [n_axes, ...]; the broadcast
+  // below is of positions[0] (its sizes and strides, same data pointer), and
+  // the other axes sit at the same offsets plus a multiple of stride(0).
   const bool mrope = mrope_section.has_value();
   ROPE_CHECK(ValueError, mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
-  int mrope_sec[3] = {0, 0, 0};
+  int mrope_sec[rope::kMaxAxes] = {};
+  int n_axes = 0;
   int64_t section_stride = 0;
   IntRef pos_sizes = positions.sizes(), pos_strides = positions.strides();
   if (mrope) {
     const auto& sec = *mrope_section;
     // Each section is bounded before the sum, which then cannot overflow.
     const int64_t half = rotary_dim / 2;
-    bool ok = sec.size() == 3;
-    for (size_t s = 0; ok && s < 3; ++s) ok = sec[s] >= 0 && sec[s] <= half;
-    ok = ok && sec[0] + sec[1] + sec[2] == half;
-    ROPE_CHECK(ValueError, ok,
-               "mrope_section must be 3 non-negative ints (temporal, height, width) summing "
-               "to rotary_dim / 2 = ",
+    bool ok = !sec.empty() && sec.size() <= size_t(rope::kMaxAxes);
+    int64_t sum = 0;
+    for (size_t s = 0; ok && s < sec.size(); ++s) ok = sec[s] >= 0 && sec[s] <= half, sum += sec[s];
+    ok = ok && sum == half;
+    ROPE_CHECK(ValueError, ok, "mrope_section must be 1 to ", rope::kMaxAxes,
+               " non-negative ints (pairs per position axis, e.g. temporal, height, width) "
+               "summing to rotary_dim / 2 = ",
                rotary_dim / 2, ", got ", shape_str(sec));
-    ROPE_CHECK(ValueError, !pos_sizes.empty() && pos_sizes[0] == 3,
-               "positions must have a leading section dim of size 3 ([3, ...]) with "
-               "mrope_section, got shape ",
-               shape_str(pos_sizes));
-    for (int s = 0; s < 3; ++s) mrope_sec[s] = int(sec[s]);
+    n_axes = int(sec.size());
+    ROPE_CHECK(ValueError, !pos_sizes.empty() && pos_sizes[0] == n_axes,
+               "positions must have a leading axis dim of size len(mrope_section) = ", n_axes,
+               " ([", n_axes, ", ...]) with mrope_section, got shape ", shape_str(pos_sizes));
+    for (int s = 0; s < n_axes; ++s) mrope_sec[s] = int(sec[s]);
     section_stride = pos_strides[0];
     pos_sizes = pos_sizes.slice(1);
     pos_strides = pos_strides.slice(1);
@@ -307,7 +309,8 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
     fill_heads(p.t[1], coalesce(kh, 2));
   }
   p.positions = positions.data_ptr();
-  for (int i = 0; i < 3; ++i) p.mrope_section[i] = mrope_sec[i];
+  p.n_axes = n_axes;
+  for (int i = 0; i < rope::kMaxAxes; ++i) p.mrope_section[i] = mrope_sec[i];
   p.mrope_interleaved = mrope_interleaved;
   p.pos_section_stride = section_stride;
   p.pos_int64 = pos_dtype == ScalarType::Long;
@@ -335,7 +338,7 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
 }
 
 int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
-  const int sections = rope::is_mrope(p) ? 3 : 1;
+  const int sections = rope::is_mrope(p) ? p.n_axes : 1;
   for (int64_t t = 0; t < p.n_tokens; ++t) {
     const int64_t base = rope::token_offsets(p, t).pos;
     for (int s = 0; s < sections; ++s) {

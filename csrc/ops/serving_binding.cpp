@@ -57,7 +57,7 @@ void check_no_self_overlap(const Layout& t, const char* name) {
 void check_tokens(const rope::RopeParams& p, int64_t T) {
   ROPE_CHECK(ValueError, p.n_tok_dims <= 1 && (p.n_tokens == T || T <= 1),
              "positions must hold one position per token of q (", T,
-             " tokens) with a nonzero stride: [T] (or [3, T] with mrope_section)");
+             " tokens) with a nonzero stride: [T] (or [n_axes, T] with mrope_section)");
 }
 
 }  // namespace

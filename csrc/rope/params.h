@@ -20,6 +20,8 @@ namespace rope {
 
 // Batch dims left after coalescing (token dims and head dims counted apart).
 constexpr int kMaxDims = 6;
+// Position axes (RopeParams::n_axes) at most.
+constexpr int kMaxAxes = 8;
 
 // Largest head_dim (and so rotary_dim) the kernels accept: index arithmetic
 // within one head, and the per-token tables of the CPU kernel (4 floats per
@@ -65,12 +67,14 @@ struct RopeParams {
   const void* positions;  // int32 or int64 (pos_int64), one per token
   int64_t pos_stride[kMaxDims];
 
-  // MRoPE (multimodal rotary, Qwen2-VL / Qwen3-VL): when mrope_section is not
-  // all zero, a token has three positions (temporal, height, width), section s
-  // at offset s * pos_section_stride from its position, and pair j takes its
-  // cos/sin from the position of section mrope_row(p, j) (rope.h). The
-  // sections sum to rotary_dim / 2.
-  int mrope_section[3];
+  // Positions along several axes (MRoPE: Qwen2-VL / Qwen3-VL's temporal,
+  // height, width; 2-D and 3-D vision and video): when n_axes > 0, a token
+  // has n_axes positions, axis s at offset s * pos_section_stride from its
+  // position, and pair j takes its cos/sin from the position of axis
+  // mrope_row(p, j) (rope.h). The first n_axes sections (pairs per axis) sum
+  // to rotary_dim / 2.
+  int n_axes;
+  int mrope_section[kMaxAxes];
   bool mrope_interleaved;  // Qwen3-VL's interleaved sections, else contiguous
   int64_t pos_section_stride;
 

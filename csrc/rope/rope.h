@@ -248,21 +248,23 @@ ROPE_HD bool position_in_cache(const RopeParams& p, int64_t pos) {
   return pos >= 0 && pos < p.n_cache_rows;
 }
 
-ROPE_HD bool is_mrope(const RopeParams& p) {
-  return p.mrope_section[0] + p.mrope_section[1] + p.mrope_section[2] > 0;
-}
+ROPE_HD bool is_mrope(const RopeParams& p) { return p.n_axes > 0; }
 
-// MRoPE: the section (0 temporal, 1 height, 2 width) whose position rotates
-// pair j. Contiguous sections (Qwen2-VL, Qwen2.5-VL): the first t pairs, the
-// next h, the last w. Interleaved (Qwen3-VL): pairs 1, 4, 7, .. below 3h take
-// height, pairs 2, 5, 8, .. below 3w take width, all others temporal.
+// Several position axes: the axis whose position rotates pair j. Contiguous
+// sections (Qwen2-VL, Qwen2.5-VL: t, h, w; FLUX, Wan: one run per axis): the
+// first section[0] pairs, then the next section[1], and so on. Interleaved
+// (Qwen3-VL, n axes): pair j takes axis a = j % n when a > 0 and j < n *
+// section[a], else axis 0 (with 3: pairs 1, 4, 7, .. below 3h height, pairs
+// 2, 5, 8, .. below 3w width, all others temporal).
 ROPE_HD int mrope_row(const RopeParams& p, int j) {
+  const int n = p.n_axes;
   if (p.mrope_interleaved) {
-    if (j % 3 == 1 && j < 3 * p.mrope_section[1]) return 1;
-    if (j % 3 == 2 && j < 3 * p.mrope_section[2]) return 2;
-    return 0;
+    const int a = j % n;
+    return a > 0 && j < n * p.mrope_section[a] ? a : 0;
   }
-  return j < p.mrope_section[0] ? 0 : j < p.mrope_section[0] + p.mrope_section[1] ? 1 : 2;
+  int a = 0;
+  for (int end = p.mrope_section[0]; j >= end && a + 1 < n;) end += p.mrope_section[++a];
+  return a;
 }
 
 // Calls f.template operator()<T, CS, Pos, Interleaved>() for the runtime types of p.

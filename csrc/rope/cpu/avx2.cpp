@@ -148,27 +148,28 @@ struct Avx2Head : ScalarTable {
 
   // MRoPE: the table of the row that pairs its features from rows[0..2] by
   // `section` (section[j] = the row of pair j), without building that row:
-  // each vector of eight pairs is blended from the three rows. Float cos/sin
+  // each vector of eight pairs is blended from the axes' rows. Float cos/sin
   // rows whose halves are whole vectors only; returns false to have the
   // caller build the merged row instead.
   template <class T, class CS, bool Interleaved, class A>
-  static bool build_table_mrope(const CS* const rows[3], const uint8_t* section, A sign, A* tab,
+  static bool build_table_mrope(const CS* const rows[], int n_axes, const uint8_t* section, A sign,
+                                A* tab,
                                 int r_) {
     const int r = R ? R : r_;
     constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
     if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
       const int h = r / 2;
       if (!vector_table<kBf16, Interleaved>(h)) return false;
-      const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2);
       auto load = [&](int i) {  // features [i, i + 8) of the merged row
         const int j = i < h ? i : i - h;
         const __m256i sec =
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(section + j)));
         __m256 v = _mm256_loadu_ps(rows[0] + i);
-        v = _mm256_blendv_ps(v, _mm256_loadu_ps(rows[1] + i),
-                             _mm256_castsi256_ps(_mm256_cmpeq_epi32(sec, one)));
-        return _mm256_blendv_ps(v, _mm256_loadu_ps(rows[2] + i),
-                                _mm256_castsi256_ps(_mm256_cmpeq_epi32(sec, two)));
+        for (int a = 1; a < n_axes; ++a) {
+          const __m256i is_a = _mm256_cmpeq_epi32(sec, _mm256_set1_epi32(a));
+          v = _mm256_blendv_ps(v, _mm256_loadu_ps(rows[a] + i), _mm256_castsi256_ps(is_a));
+        }
+        return v;
       };
       build_table_vector<kBf16, Interleaved>(load, sign, tab, r);
       return true;

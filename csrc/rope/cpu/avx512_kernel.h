@@ -181,23 +181,24 @@ struct Avx512Head : ScalarTable {
   // MRoPE: the table of the row that pairs its features from rows[0..2] by
   // `section` (section[j] = the row of pair j), without building that row:
   // each vector of sixteen pairs is loaded from row 0, then overwritten where
-  // the pairs belong to rows 1 and 2 by masked loads. Float cos/sin rows
+  // the pairs belong to another axis's row by masked loads. Float cos/sin rows
   // whose halves are whole vectors only; returns false to have the caller
   // build the merged row instead.
   template <class T, class CS, bool Interleaved, class A>
-  static bool build_table_mrope(const CS* const rows[3], const uint8_t* section, A sign, A* tab,
+  static bool build_table_mrope(const CS* const rows[], int n_axes, const uint8_t* section, A sign,
+                                A* tab,
                                 int r_) {
     const int r = R ? R : r_;
     if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
       const int h = r / 2;
       if (h % 16 != 0) return false;
-      const __m128i one = _mm_set1_epi8(1), two = _mm_set1_epi8(2);
       auto load = [&](int i) {  // features [i, i + 16) of the merged row
         const int j = i < h ? i : i - h;
         const __m128i sec = _mm_loadu_si128(reinterpret_cast<const __m128i*>(section + j));
         __m512 v = _mm512_loadu_ps(rows[0] + i);
-        v = _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, one), rows[1] + i);
-        return _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, two), rows[2] + i);
+        for (int a = 1; a < n_axes; ++a)
+          v = _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, _mm_set1_epi8(char(a))), rows[a] + i);
+        return v;
       };
       build_table_vector<std::is_same_v<T, BFloat16>, Interleaved>(load, sign, tab, r);
       return true;

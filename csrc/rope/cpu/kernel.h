@@ -132,31 +132,33 @@ class TokenTable {
       // Each pair from the row of its section's position (NaN where that is
       // outside the cache), then the table as usual.
       const int h = r / 2;
-      const CS* rows[3];
-      bool all_in = true;
-      for (int s = 0; s < 3; ++s) {
+      const int n = p.n_axes;
+      const CS* rows[kMaxAxes];
+      bool all_in = true, all_equal = true;
+      for (int s = 0; s < n; ++s) {
         const int64_t ps = load_position<Pos>(p, o.pos + s * p.pos_section_stride);
         rows[s] = position_in_cache(p, ps) ? cs + ps * p.cs_row_stride : nullptr;
         all_in = all_in && rows[s];
+        all_equal = all_equal && rows[s] == rows[0];
       }
-      // Text tokens (three equal positions) take the plain table; a head type
-      // may build the others' from the three rows directly, or else from the
-      // merged row.
-      bool built = all_in && rows[0] == rows[1] && rows[1] == rows[2];
+      // Text tokens (equal positions on every axis) take the plain table; a
+      // head type may build the others' from the axes' rows directly, or else
+      // from the merged row.
+      bool built = all_in && all_equal;
       if (built) {
         Head::template build_table<T, CS, Interleaved, A>(rows[0], sign, tab, r);
       } else if constexpr (requires {
                              Head::template build_table_mrope<T, CS, Interleaved, A>(
-                                 rows, section_.data(), sign, tab, r);
+                                 rows, n, section_.data(), sign, tab, r);
                            }) {
         built = all_in && Head::template build_table_mrope<T, CS, Interleaved, A>(
-                              rows, section_.data(), sign, tab, r);
+                              rows, n, section_.data(), sign, tab, r);
       }
       if (!built) {
         CS* m = merged_.data();
         if (all_in && !p.mrope_interleaved) {
-          // Contiguous sections: three runs of pairs, cos and sin halves each.
-          for (int s = 0, j0 = 0; s < 3; j0 += p.mrope_section[s++]) {
+          // Contiguous sections: one run of pairs per axis, cos and sin halves each.
+          for (int s = 0, j0 = 0; s < n; j0 += p.mrope_section[s++]) {
             const CS* row = rows[s];
             for (int j = j0; j < j0 + p.mrope_section[s]; ++j) {
               m[j] = row[j];
