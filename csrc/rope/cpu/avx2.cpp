@@ -153,8 +153,7 @@ struct Avx2Head : ScalarTable {
   // caller build the merged row instead.
   template <class T, class CS, bool Interleaved, class A>
   static bool build_table_mrope(const CS* const rows[], int n_axes, const uint8_t* section, A sign,
-                                A* tab,
-                                int r_) {
+                                A* tab, int r_) {
     const int r = R ? R : r_;
     constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
     if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {

@@ -186,8 +186,7 @@ struct Avx512Head : ScalarTable {
   // build the merged row instead.
   template <class T, class CS, bool Interleaved, class A>
   static bool build_table_mrope(const CS* const rows[], int n_axes, const uint8_t* section, A sign,
-                                A* tab,
-                                int r_) {
+                                A* tab, int r_) {
     const int r = R ? R : r_;
     if constexpr (std::is_same_v<CS, float> && std::is_same_v<A, float>) {
       const int h = r / 2;
@@ -197,7 +196,8 @@ struct Avx512Head : ScalarTable {
         const __m128i sec = _mm_loadu_si128(reinterpret_cast<const __m128i*>(section + j));
         __m512 v = _mm512_loadu_ps(rows[0] + i);
         for (int a = 1; a < n_axes; ++a)
-          v = _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, _mm_set1_epi8(char(a))), rows[a] + i);
+          v = _mm512_mask_loadu_ps(v, _mm_cmpeq_epi8_mask(sec, _mm_set1_epi8(char(a))),
+                                   rows[a] + i);
         return v;
       };
       build_table_vector<std::is_same_v<T, BFloat16>, Interleaved>(load, sign, tab, r);
