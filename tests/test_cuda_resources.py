@@ -24,11 +24,13 @@ import rope_ext
 LIB = rope_ext.specs.CUDA_LIBRARY if rope_ext.specs.built_with_cuda() else None
 MAX_REGISTERS = 64
 # The serving kernels' instances still above the floor (per architecture and kernel: the most registers,
-# the largest stack frame in bytes), measured on the build; no instance may get worse.
+# the largest stack frame in bytes), measured on the build; no instance may get worse. The serving kernels
+# declare their resident blocks (__launch_bounds__: 3 of 256 threads, 6 of 128), up to 85 registers and no
+# stack; the rotation's sm_80 instances keep 8 B at 64 registers.
 CEILING = {
     "rotary_kernel": (64, 8),
-    "cache_kernel": (80, 8),
-    "norm_kernel": (72, 16),
+    "cache_kernel": (80, 0),
+    "norm_kernel": (80, 0),
 }
 
 
@@ -98,7 +100,7 @@ def test_rotary_kernel_within_the_register_budget():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="cache and QK-norm kernels above 64 registers, a few instances with an 8-16 B stack frame",
+    reason="cache and QK-norm kernels above 64 registers (up to 80), a few sm_80 rotation instances with 8 B",
 )
 def test_every_instance_meets_the_floor():
     bad = [(a, n, r, s) for a, n, r, s in instances() if r > MAX_REGISTERS or s > 0]

@@ -129,7 +129,7 @@ ROTARY_OFFSET = [
 ]  # fmt: skip
 SECTION_VALUES = [
     ("None", None), ("tuple", (2, 1, 1)), ("list", [2, 1, 1]), ("bad-sum", (2, 1, 2)), ("len-2", (2, 2)),
-    ("neg", (3, 2, -1)), ("huge", (2**63 - 1, 1, 1)), ("overflow", (2**63, 1, 1)), ("float", (2, 1, 1.0)),
+    ("len-9", (1,) * 9), ("empty", ()), ("neg", (3, 2, -1)), ("huge", (2**63 - 1, 1, 1)), ("overflow", (2**63, 1, 1)), ("float", (2, 1, 1.0)),
 ]  # fmt: skip
 MROPE_INTERLEAVED = [V("F", False), V("T", True), V("0", 0), V("None", None)]
 # A tensor argument passed as a list instead (the guards check the types of some of them).
@@ -142,13 +142,13 @@ def _listed(o, name, t):
 
 # ---------------------------------------------------------------------------------------------
 # apply_rotary_qk_: every combination. The guard takes any mrope_section that is a tuple or list of
-# three ints (the op checks the values), and any int rotary_offset.
+# ints (the op checks their number and values), and any int rotary_offset.
 
 QK_OPTIONS = {
     "k": [V("tensor", True), V("None", None)],
     "interleaved": INTERLEAVED,
     "rotary_offset": ROTARY_OFFSET,
-    "mrope_section": [V(label, s, fast=label not in ("len-2", "float")) for label, s in SECTION_VALUES],
+    "mrope_section": [V(label, s, fast=label != "float") for label, s in SECTION_VALUES],
     "mrope_interleaved": MROPE_INTERLEAVED,
     "positions": [
         V("[T,1]", _POS[:, None]),

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -310,7 +311,13 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   }
   p.positions = positions.data_ptr();
   p.n_axes = n_axes;
-  for (int i = 0; i < rope::kMaxAxes; ++i) p.mrope_section[i] = mrope_sec[i];
+  for (int i = 0, end = 0; i < rope::kMaxAxes; ++i) {
+    p.mrope_section[i] = mrope_sec[i];
+    end += mrope_sec[i];
+    p.axis_bound[i] = mrope_interleaved ? n_axes * mrope_sec[i]
+                      : i + 1 < n_axes  ? end
+                                        : std::numeric_limits<int>::max();
+  }
   p.mrope_interleaved = mrope_interleaved;
   p.pos_section_stride = section_stride;
   p.pos_int64 = pos_dtype == ScalarType::Long;

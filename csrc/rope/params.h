@@ -76,6 +76,9 @@ struct RopeParams {
   int n_axes;
   int mrope_section[kMaxAxes];
   bool mrope_interleaved;  // Qwen3-VL's interleaved sections, else contiguous
+  // mrope_row's bounds: contiguous, the end of axis s's pairs (s < n_axes - 1,
+  // then INT_MAX); interleaved, n_axes * mrope_section[s] (0 from n_axes on).
+  int axis_bound[kMaxAxes];
   int64_t pos_section_stride;
 
   // [n_cache_rows, rotary_dim]: cos(p inv_j) for j < rotary_dim/2, then

@@ -256,14 +256,18 @@ ROPE_HD bool is_mrope(const RopeParams& p) { return p.n_axes > 0; }
 // (Qwen3-VL, n axes): pair j takes axis a = j % n when a > 0 and j < n *
 // section[a], else axis 0 (with 3: pairs 1, 4, 7, .. below 3h height, pairs
 // 2, 5, 8, .. below 3w width, all others temporal).
+// Fixed-count loops over the bounds (params.h), constant indices: no local
+// memory on the GPU, and no division but the interleaved j % n of n != 3.
 ROPE_HD int mrope_row(const RopeParams& p, int j) {
-  const int n = p.n_axes;
-  if (p.mrope_interleaved) {
-    const int a = j % n;
-    return a > 0 && j < n * p.mrope_section[a] ? a : 0;
-  }
   int a = 0;
-  for (int end = p.mrope_section[0]; j >= end && a + 1 < n;) end += p.mrope_section[++a];
+  if (p.mrope_interleaved) {
+    const int n = p.n_axes, r = n == 3 ? j % 3 : j % n;
+    ROPE_UNROLL
+    for (int s = 1; s < kMaxAxes; ++s) a = s == r && j < p.axis_bound[s] ? s : a;
+    return a;
+  }
+  ROPE_UNROLL
+  for (int s = 0; s + 1 < kMaxAxes; ++s) a += j >= p.axis_bound[s];
   return a;
 }
 

@@ -7,8 +7,9 @@ namespace rope {
 namespace gpu {
 namespace {
 
+// Six resident blocks of 128 threads: up to 85 registers, no stack frame.
 template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(kWarp* kNormWarps)
+__global__ void __launch_bounds__(kWarp* kNormWarps, 6)
     norm_kernel(const NormParams p, const NormLaunch l) {
   using A = typename Acc<T>::type;
   __shared__ A partial[kNormWarps][kWarp];
