@@ -129,7 +129,8 @@ ROTARY_OFFSET = [
 ]  # fmt: skip
 SECTION_VALUES = [
     ("None", None), ("tuple", (2, 1, 1)), ("list", [2, 1, 1]), ("bad-sum", (2, 1, 2)), ("len-2", (2, 2)),
-    ("len-9", (1,) * 9), ("empty", ()), ("neg", (3, 2, -1)), ("huge", (2**63 - 1, 1, 1)), ("overflow", (2**63, 1, 1)), ("float", (2, 1, 1.0)),
+    ("len-9", (1,) * 9), ("empty", ()), ("neg", (3, 2, -1)), ("huge", (2**63 - 1, 1, 1)),
+    ("overflow", (2**63, 1, 1)), ("float", (2, 1, 1.0)),
 ]  # fmt: skip
 MROPE_INTERLEAVED = [V("F", False), V("T", True), V("0", 0), V("None", None)]
 # A tensor argument passed as a list instead (the guards check the types of some of them).
