@@ -471,7 +471,7 @@ def test_default_opset_decomposes():
 def hf_model(request):
     _need(ort, "onnxruntime")
     transformers = pytest.importorskip("transformers")
-    from rope_ext.compat import patch_transformers
+    from rope_ext.compat import patch_transformers, unpatch_transformers
 
     config = transformers.AutoConfig.for_model(
         request.param,
@@ -494,7 +494,8 @@ def hf_model(request):
         program = torch.onnx.export(
             model, (ids,), dynamo=True, opset_version=23, verbose=False, dynamic_shapes=({0: batch, 1: seq},)
         )
-    return model, program.model_proto
+    yield model, program.model_proto
+    unpatch_transformers(model)
 
 
 def test_transformers_models_in_onnxruntime(hf_model):

@@ -117,6 +117,8 @@ the unpatched model). :func:`supported_model_types` reports which of them the in
 and passes the checks; other model types are patched too when every check passes."""
 
 _ORIGINALS: dict[tuple[str, str], Callable] = {}  # (modeling module, function name) -> original function
+# The patched models (by id) using each swapped function: the original returns when the last is unpatched.
+_USERS: dict[tuple[str, str], set[int]] = {}
 _FUNCTION_PREFIX = "apply_rotary"
 
 
@@ -261,6 +263,7 @@ def patch_transformers(
     for (module_name, fn_name), (original, rot) in plan.functions.items():
         module = sys.modules[module_name]
         _ORIGINALS.setdefault((module_name, fn_name), original)
+        _USERS.setdefault((module_name, fn_name), set()).add(id(model))
         setattr(module, fn_name, _make_patched(original, rot, _signature(original)))
     if fuse_qk_norm:
         for attention in _fusable_attentions(model):
@@ -281,6 +284,11 @@ def unpatch_transformers(model: nn.Module) -> nn.Module:
                 if keys is None:  # an adapter made by hand: the rotary module's own modeling module
                     keys = [(type(child._original).__module__, "apply_rotary_pos_emb")]
                 for key in keys:
+                    users = _USERS.get(key, set())
+                    users.discard(id(model))
+                    if users:  # another patched model still calls the stand-in
+                        continue
+                    _USERS.pop(key, None)
                     original = _ORIGINALS.pop(key, None)
                     if original is not None:
                         setattr(sys.modules[key[0]], key[1], original)
