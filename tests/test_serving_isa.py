@@ -163,3 +163,43 @@ def test_qk_norm_many_heads_identical_across_sets(dtype):
             rope_ext._set_cpu_isa(previous)
     for name, out in outs.items():
         assert torch.equal(out, outs["scalar"]), name
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_qk_norm_whole_heads_special_values_identical_across_sets(interleaved, dtype, dim):
+    """Heads rotated whole (rotary_dim = head_dim: the vector sets' one-pass head loop for 64 and 128, the
+    two-pass one for 96) give the portable build's bits with NaN, infinities, zero heads and outputs that
+    round to subnormals (tiny weights), for odd and even head counts (the loop's last head)."""
+    g = torch.Generator().manual_seed(dim * 2 + interleaved)
+    T, Hq, Hk, Hv = 7, 13, 8, 1
+    qkv = torch.randn(T, (Hq + Hk + Hv) * dim, generator=g) * torch.exp2(
+        torch.randint(-4, 5, (T, (Hq + Hk + Hv) * dim), generator=g)
+    )
+    heads = qkv.view(T, Hq + Hk + Hv, dim)
+    heads[0, 1, 3] = float("nan")
+    heads[1, 2, 5] = float("inf")
+    heads[2, 14, 0] = float("-inf")
+    heads[3, 4] = 0.0
+    qkv = qkv.to(dtype)
+    qw = torch.randn(dim, generator=g)
+    kw = torch.randn(dim, generator=g) * 1e-39  # normalised k rounds to subnormals (or zero)
+    kw[::7] = 1.0
+    pos = torch.randint(0, 64, (T,), generator=g)
+    cs = reference.cos_sin_table(64, dim).float()
+
+    def run(name):
+        previous = rope_ext._set_cpu_isa(name)
+        try:
+            out = qkv.clone()
+            rope_ext.apply_qk_norm_rotary_(out, Hq, Hk, Hv, qw, kw, pos, cs, interleaved=interleaved)
+            return out
+        finally:
+            rope_ext._set_cpu_isa(previous)
+
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    want = run("scalar")
+    assert want.isnan().any() and (want != 0).any()
+    for name in ISAS:
+        assert torch.equal(run(name).view(bits), want.view(bits)), name

@@ -32,11 +32,13 @@ void rope::cpu::detail::rotate_tokens_avx512(const RopeParams& p, int64_t begin,
   host::rotate_tokens_avx512_body(p, begin, end);
 }
 
-// bf16 without the AVX512_BF16 conversion: the AVX2 head, whose bf16 rounding in 8-lane halves
-// measured faster than the 16-lane integer rounding (benchmarks/cpu-serving.md); the same bits.
+// bf16 without the AVX512_BF16 conversion: heads that are not rotated whole (partial rotary,
+// rotary_offset) take the AVX2 head, whose bf16 rounding in 8-lane halves measured faster than the
+// 16-lane integer rounding there (benchmarks/cpu-serving.md); the same bits.
 void rope::cpu::detail::norm_rotate_tokens_avx512(const NormParams& np, int64_t begin,
                                                   int64_t end) {
-  if (np.rope.x_dtype == DType::kBFloat16) return norm_rotate_tokens_avx2(np, begin, end);
+  if (np.rope.x_dtype == DType::kBFloat16 && np.rope.rotary_dim != np.rope.head_dim)
+    return norm_rotate_tokens_avx2(np, begin, end);
   host::norm_rotate_tokens_avx512_body(np, begin, end);
 }
 

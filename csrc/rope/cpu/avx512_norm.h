@@ -47,6 +47,99 @@ struct Avx512Norm : Avx512Head<R> {
     }
   }
 
+  // x * rms * w rounded to T, as floats, without a branch: bf16 by the integer rounding with the
+  // low half cleared (its NaN condition holds, see round_bf16_bits: x is bf16, rms a float
+  // result, every NaN weight the canonical one).
+  template <class T>
+  static __m512 normed16_int(__m512 x, __m512 rms, __m512 w) {
+    const __m512 n = _mm512_mul_ps(_mm512_mul_ps(x, rms), w);
+    if constexpr (std::is_same_v<T, BFloat16>)
+      return _mm512_castsi512_ps(
+          _mm512_and_si512(round_bf16_bits(n), _mm512_set1_epi32(int(0xffff0000u))));
+    else
+      return normed16<T>(x, rms, w);
+  }
+
+  // Vectors k and k + 1 of a head (features [16k, 16k + 32)) stored.
+  template <class T>
+  static void store_two(T* p, __m512 a, __m512 b) {
+#if ROPE_AVX512_HW_BF16
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (__builtin_expect(
+              _kortestz_mask16_u8(_mm512_fpclass_ps_mask(a, 0x20), _mm512_fpclass_ps_mask(b, 0x20)),
+              1)) {
+        _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        return;
+      }
+    }
+#endif
+    store16(p, a);
+    store16(p + 16, b);
+  }
+
+  // n whole heads (rotary_dim = head_dim = R, heads at in + i * si, out + i * so) in one pass
+  // each: the head loaded once into registers, its sum of squares (norm_scale's lanes and
+  // order) and scale, then every feature normalised, rotated (norm_rotate's arithmetic) and
+  // stored: the same bits as norm_scale + norm_rotate, without reading the head twice. Software
+  // pipelined: the next head is loaded and its scale computed while this one is normalised and
+  // rotated, so the chain of the scale (the sum's tree, a division, a square root) overlaps
+  // work instead of stalling the loop.
+  template <class T, bool Interleaved, class A>
+    requires(R > 0 && !std::is_same_v<T, double>)
+  __attribute__((always_inline)) static void norm_heads(const T* in, T* out, int64_t si, int64_t so,
+                                                        int64_t n, const NormWeights<A>& nw,
+                                                        const A* tab, double eps) {
+    constexpr int V = R / 16, H = V / 2;
+    const float* w = nw.w;
+    // Loads a head into x and returns its scale.
+    auto load = [&](const T* p, __m512(&x)[V]) {
+#pragma GCC unroll 8
+      for (int k = 0; k < V; ++k) x[k] = load16(p + 16 * k);
+      __m512 s = _mm512_mul_ps(x[0], x[0]);
+#pragma GCC unroll 8
+      for (int k = 1; k < V; ++k) s = _mm512_add_ps(s, _mm512_mul_ps(x[k], x[k]));
+      const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+      return rms_inverse<float>(_mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))), R, eps);
+    };
+    // Normalises, rotates and stores the head in x with scale rms.
+    auto finish = [&](__m512(&x)[V], float rms, T* o) {
+      const __m512 vr = _mm512_set1_ps(rms);
+      __m512 y[V];
+#pragma GCC unroll 8
+      for (int k = 0; k < V; ++k) x[k] = normed16_int<T>(x[k], vr, _mm512_loadu_ps(w + 16 * k));
+      if constexpr (Interleaved) {
+#pragma GCC unroll 8
+        for (int k = 0; k < V; ++k)
+          y[k] = _mm512_fmadd_ps(
+              x[k], _mm512_loadu_ps(tab + 16 * k),
+              _mm512_mul_ps(_mm512_permute_ps(x[k], 0xB1), _mm512_loadu_ps(tab + R + 16 * k)));
+      } else {
+#pragma GCC unroll 8
+        for (int k = 0; k < H; ++k) {
+          const __m512 c = _mm512_loadu_ps(tab + 16 * k);
+          const __m512 sn = _mm512_loadu_ps(tab + R / 2 + 16 * k);
+          y[k] = _mm512_fmsub_ps(x[k], c, _mm512_mul_ps(x[H + k], sn));
+          y[H + k] = _mm512_fmadd_ps(x[H + k], c, _mm512_mul_ps(x[k], sn));
+        }
+      }
+#pragma GCC unroll 8
+      for (int k = 0; k < V; k += 2) store_two(o + 16 * k, y[k], y[k + 1]);
+    };
+    if (n <= 0) return;
+    __m512 a[V], b[V];
+    float ra = load(in, a), rb;
+    for (int64_t head = 0;; head += 2) {  // a holds head `head`
+      if (head + 1 == n) return finish(a, ra, out + head * so);
+      rb = load(in + (head + 1) * si, b);
+      finish(a, ra, out + head * so);
+      if (head + 2 == n) return finish(b, rb, out + (head + 1) * so);
+      ra = load(in + (head + 2) * si, a);
+      finish(b, rb, out + (head + 1) * so);
+    }
+  }
+
   // Normalises a head with its scale and rotates its rotary features.
   template <class T, bool Interleaved, class A>
   __attribute__((always_inline)) static void norm_rotate(const T* in, T* out,

@@ -158,6 +158,18 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
       // The scales of all the token's heads first: independent chains of
       // dependent operations, which the CPU overlaps (head by head, each
       // chain would stall the rotation that needs it).
+      if constexpr (requires {
+                      Head::template norm_heads<T, Interleaved, A>(in, out, int64_t{}, int64_t{},
+                                                                   int64_t{}, nw[t], tab, 0.0);
+                    }) {
+        // A head type that does each whole head in one pass, in registers.
+        if (r == D && p.t[t].n_head_dims <= 1) {
+          const int64_t si = p.t[t].n_head_dims ? p.t[t].in_head_stride[0] : 0;
+          const int64_t so = p.t[t].n_head_dims ? p.t[t].out_head_stride[0] : 0;
+          Head::template norm_heads<T, Interleaved, A>(in, out, si, so, n, nw[t], tab, np.eps);
+          continue;
+        }
+      }
       HeadWalker w(p.t[t]);
       int64_t head = 0;
       if constexpr (requires(const T* const* x, A* s) { N::norm_scales8(x, 0, 0.0, s); }) {
