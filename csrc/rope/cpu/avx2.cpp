@@ -525,17 +525,6 @@ inline __m256i fp8_bits8(__m256 v, Fp8 t) {
   return _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xff)), _mm256_srli_epi32(sign, 24));
 }
 
-// 1 / scale when scale is a power of two (1.0 included) whose reciprocal is a
-// normal float, else 0. Then x / scale == x * (1 / scale) for every x: both
-// are the same exact value rounded once (also under FTZ / DAZ, the reciprocal
-// being normal), and a product costs less than a quotient.
-inline float exact_reciprocal(float scale) {
-  uint32_t b;
-  std::memcpy(&b, &scale, sizeof b);
-  const uint32_t e = (b >> 23) & 0xff;
-  return (b & 0x7fffff) == 0 && e >= 1 && e <= 253 ? 1.0f / scale : 0.0f;
-}
-
 template <class T>
 void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
   const T* x = static_cast<const T*>(xv);

@@ -18,8 +18,9 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // GCC 12's AVX-512 intrinsics start from a self-initialised "undefined"
-// vector, which -Wmaybe-uninitialized reports once inlined.
+// vector, which -Wmaybe-uninitialized and -Wuninitialized report once inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #define ROPE_ISA avx512
 #define ROPE_AVX512_HW_BF16 0
@@ -27,6 +28,7 @@
 
 #include "avx512_kernel.h"
 #include "avx512_norm.h"
+#include "avx512_rows.h"
 
 void rope::cpu::detail::rotate_tokens_avx512(const RopeParams& p, int64_t begin, int64_t end) {
   host::rotate_tokens_avx512_body(p, begin, end);
@@ -41,5 +43,11 @@ void rope::cpu::detail::norm_rotate_tokens_avx512(const NormParams& np, int64_t 
     return norm_rotate_tokens_avx2(np, begin, end);
   host::norm_rotate_tokens_avx512_body(np, begin, end);
 }
+
+const rope::cpu::RowOps rope::cpu::detail::kRowsAvx512{
+    {host::quant_row16<float>, host::quant_row<double>, host::quant_row16<Half>,
+     host::quant_row16<BFloat16>},
+    host::copy_row_nt64,
+    host::store_fence512};
 
 #endif

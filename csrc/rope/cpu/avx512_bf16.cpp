@@ -18,8 +18,9 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // GCC 12's AVX-512 intrinsics start from a self-initialised "undefined"
-// vector, which -Wmaybe-uninitialized reports once inlined.
+// vector, which -Wmaybe-uninitialized and -Wuninitialized report once inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #define ROPE_ISA avx512_bf16
 #define ROPE_AVX512_HW_BF16 1

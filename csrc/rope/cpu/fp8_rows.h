@@ -1,7 +1,8 @@
 // Row kernel of the serving ops on the CPU: the fp8 quantization of one row
-// (KV-cache rows, fp8 q). Two sets: the portable template here, and the AVX2
-// build (cpu/avx2.cpp), which the AVX-512 instruction sets use too. Both
-// compute the same bits (saturate, round to nearest even). Torch-free.
+// (KV-cache rows, fp8 q). Three sets: the portable template here, the AVX2
+// build (cpu/avx2.cpp) and the AVX-512 one (cpu/avx512_rows.h), which both
+// AVX-512 instruction sets use. All compute the same bits (saturate, round to
+// nearest even). Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,7 @@ const RowOps& row_ops();
 namespace detail {
 extern const RowOps kRowsScalar;
 extern const RowOps kRowsAvx2;
+extern const RowOps kRowsAvx512;
 }  // namespace detail
 
 }  // namespace cpu
@@ -42,6 +44,17 @@ template <class T>
 void quant_row(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
   const T* x = static_cast<const T*>(xv);
   for (int64_t i = 0; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
+}
+
+// 1 / scale when scale is a power of two (1.0 included) whose reciprocal is a
+// normal float, else 0. Then x / scale == x * (1 / scale) for every x: both
+// are the same exact value rounded once (also under FTZ / DAZ, the reciprocal
+// being normal), and a product costs less than a quotient.
+inline float exact_reciprocal(float scale) {
+  uint32_t b;
+  std::memcpy(&b, &scale, sizeof b);
+  const uint32_t e = (b >> 23) & 0xff;
+  return (b & 0x7fffff) == 0 && e >= 1 && e <= 253 ? 1.0f / scale : 0.0f;
 }
 
 inline void copy_row(const void* x, void* dst, int64_t bytes) {

@@ -60,9 +60,9 @@ constexpr Isa kIsas[] = {
     {"avx2", 1, detail::rotate_tokens_avx2, has_avx2, detail::norm_rotate_tokens_avx2,
      &detail::kRowsAvx2},
     {"avx512", 2, detail::rotate_tokens_avx512, has_avx512, detail::norm_rotate_tokens_avx512,
-     &detail::kRowsAvx2},
+     &detail::kRowsAvx512},
     {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16,
-     detail::norm_rotate_tokens_avx512_bf16, &detail::kRowsAvx2},
+     detail::norm_rotate_tokens_avx512_bf16, &detail::kRowsAvx512},
 };
 #elif defined(__aarch64__)
 bool always() { return true; }  // Advanced SIMD is part of every aarch64 CPU

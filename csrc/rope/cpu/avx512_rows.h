@@ -1,0 +1,91 @@
+// The AVX-512 row kernel of the serving ops (cpu/fp8_rows.h), included by cpu/avx512.cpp after
+// cpu/avx512_kernel.h: the fp8 quantization of a row sixteen lanes at a time with a masked tail,
+// and cache-row copies with 64-byte streaming stores. The bits of the portable and AVX2 row kernels
+// (saturate, round to nearest even: float_to_e4m3 / float_to_e5m2 of serving.h). Torch-free.
+#pragma once
+
+#include "avx512_kernel.h"
+#include "fp8_rows.h"
+
+namespace rope {
+inline namespace ROPE_ISA {
+namespace host {
+
+// fp8 bits of sixteen scaled and saturated floats (float_to_e4m3 / float_to_e5m2).
+template <bool E4>
+inline __m128i fp8_bits16(__m512 v) {
+  constexpr int kShift = E4 ? 20 : 21;
+  constexpr uint32_t kBias =
+      E4 ? (uint32_t(7 - 127) << 23) + 0x7ffffu : (uint32_t(15 - 127) << 23) + 0xfffffu;
+  constexpr uint32_t kDenorm = E4 ? 141u << 23 : 134u << 23;
+  constexpr uint32_t kSmall = E4 ? 121u << 23 : 113u << 23;
+  constexpr uint32_t kBig = E4 ? 1087u << 20 : 143u << 23;
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(int(0x80000000u)));
+  u = _mm512_xor_si512(u, sign);  // |v|: below 2^31, so signed compares hold
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, kShift), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(int(kBias))), odd), kShift);
+  const __m512i dc = _mm512_set1_epi32(int(kDenorm));
+  const __m512i denorm = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(dc))), dc);
+  __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(u, _mm512_set1_epi32(int(kSmall))),
+                                      normal, denorm);
+  __m512i special = _mm512_set1_epi32(0x7f);
+  if constexpr (!E4)
+    special = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(u, _mm512_set1_epi32(0x7f800000)),
+                                      _mm512_set1_epi32(0x7c), special);
+  r = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(u, _mm512_set1_epi32(int(kBig))), r, special);
+  r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xff)), _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(r);
+}
+
+template <class T, bool E4>
+void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale) {
+  const float inv = exact_reciprocal(scale);
+  const __m512 s = _mm512_set1_ps(inv != 0 ? inv : scale);
+  const __m512 hi = _mm512_set1_ps(fp8_max(E4 ? Fp8::kE4M3 : Fp8::kE5M2)),
+               lo = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+  auto bits = [&](__m512 v) {
+    v = inv != 0 ? _mm512_mul_ps(v, s) : _mm512_div_ps(v, s);
+    // min / max return their second operand when one is NaN: NaN is kept.
+    return fp8_bits16<E4>(_mm512_max_ps(lo, _mm512_min_ps(hi, v)));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bits(load16(x + i)));
+  if (i < n) {
+    const __mmask16 m = lanes(int(n - i));
+    _mm_mask_storeu_epi8(dst + i, m, bits(load16(x + i, m)));
+  }
+}
+
+template <class T>
+void quant_row16(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t) {
+  if (t == Fp8::kE4M3) return quant_row16<T, true>(static_cast<const T*>(x), dst, n, scale);
+  quant_row16<T, false>(static_cast<const T*>(x), dst, n, scale);
+}
+
+// Rows whose start and length are multiples of 64 bytes (cache rows of D >= 32 16-bit values in a
+// torch allocation) with 64-byte streaming stores, of 32 with 32-byte ones; others with memcpy.
+inline void copy_row_nt64(const void* x, void* dst, int64_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | uintptr_t(bytes);
+  const char* src = static_cast<const char*>(x);
+  char* d = static_cast<char*>(dst);
+  if (a % 64 == 0) {
+    for (int64_t i = 0; i < bytes; i += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), _mm512_loadu_si512(src + i));
+  } else if (a % 32 == 0) {
+    for (int64_t i = 0; i < bytes; i += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  } else {
+    copy_row(x, dst, bytes);
+  }
+}
+
+inline void store_fence512() { _mm_sfence(); }
+
+}  // namespace host
+}  // namespace ROPE_ISA
+}  // namespace rope
