@@ -11,6 +11,24 @@ ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
 export CUDA_HOME := /usr/local/cuda
 endif
 endif
+# With ccache installed, every compile goes through it (the libraries' C++ and nvcc, the sanitizer build,
+# the CMake and torch.utils.cpp_extension builds of the tests): a cache keyed by the preprocessed source
+# and the flags, relative to the checkout (CCACHE_BASEDIR), so a fresh clone recompiles only what changed.
+# .ci/run installs ccache when it can; without it nothing changes.
+CCACHE := $(shell command -v ccache 2>/dev/null)
+ifneq ($(CCACHE),)
+export CCACHE_DIR ?= $(HOME)/.cache/rope_ext/ccache
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
+CCACHE_BIN := $(CURDIR)/build/ccache-bin
+export CC := $(CCACHE_BIN)/cc
+export CXX := $(CCACHE_BIN)/c++
+ifneq ($(CUDA_HOME),)
+export PYTORCH_NVCC := $(CCACHE) $(CUDA_HOME)/bin/nvcc
+endif
+# ccache run under a compiler's name runs that compiler (the next one on PATH) through the cache.
+$(shell mkdir -p $(CCACHE_BIN) && ln -sf $(CCACHE) $(CCACHE_BIN)/cc && ln -sf $(CCACHE) $(CCACHE_BIN)/c++)
+endif
 # The in-place build is the test build: it adds the test-only ops (ROPE_EXT_TESTING, see setup.py).
 export ROPE_EXT_TESTING := 1
 SOURCES := setup.py $(wildcard csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/rope/*/*)
