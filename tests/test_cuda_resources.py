@@ -107,18 +107,35 @@ def test_every_instance_meets_the_floor():
     assert not bad, f"{len(bad)} instances above the floor, e.g. {bad[:3]}"
 
 
-def test_vector_instances_use_128_bit_accesses():
-    """Every instance whose last template argument (Vectorized) is true loads and stores 16 bytes at once;
-    the rotation's vector instances store nothing narrower."""
+@functools.cache
+def vector_instances() -> list[tuple[str, str]]:
+    """(mangled name, SASS) of every instance whose last template argument (Vectorized) is true."""
     out = subprocess.run([CUOBJDUMP, "-sass", str(LIB)], capture_output=True, text=True, check=True).stdout
+    blocks = [(b.split(None, 1)[0], b) for b in re.split(r"\n\s*Function : ", out)[1:]]
+    return [(name, block) for name, block in blocks if re.search(r"Lb1EEEvN", name)]
+
+
+def test_vector_instances_use_128_bit_accesses():
+    """Every vector instance loads and stores 16 bytes at once; the rotation's vector instances store nothing
+    narrower."""
     checked = defaultdict(int)
-    for block in re.split(r"\n\s*Function : ", out)[1:]:
-        name = block.split(None, 1)[0]
-        if not re.search(r"Lb1EEEvN", name):
-            continue
+    for name, block in vector_instances():
         checked[kernel(name)] += 1
         assert re.search(r"LDG\.E\.128", block), f"no 128-bit load in {name}"
         assert re.search(r"STG\.E\.128", block), f"no 128-bit store in {name}"
         if kernel(name) == "rotary_kernel":
             assert not re.search(r"STG\.E(\.U16)?\s", block), f"{name}: narrow stores in the vector path"
     assert set(checked) == set(CEILING), dict(checked)
+
+
+def test_vector_instances_read_the_table_through_the_read_only_cache():
+    """The cos/sin table, re-read by every head of a token and never written while a kernel runs, is loaded
+    through the read-only data cache (``__ldg``: ``LDG.E.*.CONSTANT``) in every vector instance; the
+    activations, read once, are not (``.CONSTANT`` on them would be wrong for in-place calls)."""
+    checked = 0
+    for name, block in vector_instances():
+        constant = re.findall(r"LDG\.E\.(?:64|128)\.CONSTANT", block)
+        assert constant, f"no read-only table load in {name}"
+        assert len(constant) < len(re.findall(r"LDG\.E\.128", block)), f"{name}: every load read-only"
+        checked += 1
+    assert checked

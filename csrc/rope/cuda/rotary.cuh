@@ -143,13 +143,20 @@ void get_word(const HostWord<Bytes>& d, uint32_t* w) {
 ROPE_HD void set_word(uint32_t& d, const uint32_t* w) { d = w[0]; }
 ROPE_HD void get_word(const uint32_t& d, uint32_t* w) { w[0] = d; }
 
-// One global access of a whole word. On the GPU through the ld/st.global.cg
+// One global access of a whole word. On the GPU through the ld/st.global
 // intrinsics, which keep the access a single 64/128-bit instruction (a plain
-// dereference may be split into 32-bit accesses once the word is unpacked).
-template <class W>
+// dereference may be split into 32-bit accesses once the word is unpacked):
+// activations through L2 only (.cg: each is read once), the cos/sin table
+// (ReadOnly: never written while a kernel runs, every written tensor is checked
+// disjoint from it, and re-read by every head of a token) through the read-only
+// data cache (__ldg, ld.global.nc).
+template <class W, bool ReadOnly = false>
 ROPE_HD W load_word(const void* p) {
 #if defined(__CUDA_ARCH__)
-  return __ldcg(reinterpret_cast<const W*>(p));
+  if constexpr (ReadOnly)
+    return __ldg(reinterpret_cast<const W*>(p));
+  else
+    return __ldcg(reinterpret_cast<const W*>(p));
 #else
   return *reinterpret_cast<const W*>(p);
 #endif
@@ -177,8 +184,9 @@ constexpr int chunk_of() {
 }
 
 // dst[0..N) = src[0..N); as 16-byte (or smaller, naturally aligned) vector
-// accesses when Vectorized, element by element otherwise.
-template <bool Vectorized, class T, int N>
+// accesses when Vectorized, element by element otherwise (ReadOnly: see
+// load_word).
+template <bool Vectorized, class T, int N, bool ReadOnly = false>
 ROPE_HD void load_n(const T* src, T (&dst)[N]) {
   note_read(src, N * sizeof(T));
   if constexpr (Vectorized && N > 1) {
@@ -188,7 +196,7 @@ ROPE_HD void load_n(const T* src, T (&dst)[N]) {
     for (int i = 0; i < N; i += chunk) {
       assert_aligned(src + i, int(sizeof(W)));
       uint32_t w[sizeof(W) / 4];
-      get_word(load_word<W>(src + i), w);
+      get_word(load_word<W, ReadOnly>(src + i), w);
       from_words<T, chunk>(w, dst + i);
     }
   } else {
@@ -346,8 +354,8 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
   const int64_t pos = position_at<Pos>(p, pos_off);
   if (position_in_cache(p, pos)) {
     CS cr[P], sr[P];
-    load_n<Vectorized>(cs + pos * p.cs_row_stride + j0, cr);
-    load_n<Vectorized>(cs + pos * p.cs_row_stride + h + j0, sr);
+    load_n<Vectorized, CS, P, true>(cs + pos * p.cs_row_stride + j0, cr);
+    load_n<Vectorized, CS, P, true>(cs + pos * p.cs_row_stride + h + j0, sr);
     ROPE_UNROLL
     for (int k = 0; k < P; ++k) {
       cv[k] = A(to_acc(cr[k]));
