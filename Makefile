@@ -44,7 +44,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) torch ninja setuptools wheel build
-	$(PIP) pytest pytest-xdist hypothesis transformers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format \
+	$(PIP) pytest pytest-xdist hypothesis transformers diffusers expecttest mpmath numpy matplotlib tqdm rich ruff clang-format \
 		onnx onnxscript onnxruntime openvino
 	touch $@
 

@@ -1,4 +1,4 @@
-"""Drop-in adapters: HF transformers, vLLM-style servers, and two well-known RoPE code forms.
+"""Drop-in adapters: HF transformers, diffusers, vLLM-style servers, and two well-known RoPE code forms.
 
 One submodule per source, every public name re-exported here (``from rope_ext.compat import X``):
 
@@ -8,6 +8,10 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
   (via :class:`HFRotaryAdapter`) once probes show rope_ext computes what its modules and functions do;
   :data:`SUPPORTED_MODEL_TYPES` are the tested model types, :func:`supported_model_types` those the
   installed transformers passes.
+* :mod:`.diffusers` - :func:`patch_diffusers` / :func:`unpatch_diffusers` route a diffusers transformer's RoPE
+  rotations (``apply_rotary_emb`` and the model-local rotation functions its attention processors call)
+  through rope_ext's op on the model's own cos / sin, once probes show the op computes what each function
+  does; :data:`TESTED_DIFFUSERS_MODELS` are the models tested.
 * :mod:`.vllm` - :func:`rotary_embedding`, vLLM's in-place ``rotary_embedding(positions, query, key,
   head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors, and
   :func:`fused_qk_norm_rope`, vLLM's fused QK RMSNorm + rotary on a packed qkv, same argument order.
@@ -24,6 +28,7 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
 
 from __future__ import annotations
 
+from .diffusers import TESTED_DIFFUSERS_MODELS, patch_diffusers, unpatch_diffusers
 from .hf import (
     SUPPORTED_MODEL_TYPES,
     HFRotaryAdapter,
@@ -42,6 +47,9 @@ __all__ = [
     "apply_rotary_pos_emb",
     "patch_transformers",
     "unpatch_transformers",
+    "patch_diffusers",
+    "unpatch_diffusers",
+    "TESTED_DIFFUSERS_MODELS",
     "HFRotaryAdapter",
     "SUPPORTED_MODEL_TYPES",
     "supported_model_types",
