@@ -189,7 +189,9 @@ constexpr int chunk_of() {
 template <bool Vectorized, class T, int N, bool ReadOnly = false>
 ROPE_HD void load_n(const T* src, T (&dst)[N]) {
   note_read(src, N * sizeof(T));
-  if constexpr (Vectorized && N > 1) {
+  // A single read-only element of 4 or 8 bytes (float64 interleaved: one pair per unit) is a word
+  // too.
+  if constexpr (Vectorized && (N > 1 || (ReadOnly && sizeof(T) >= 4))) {
     constexpr int chunk = chunk_of<T, N>();
     using W = typename Word<chunk* int(sizeof(T))>::type;
     ROPE_UNROLL
