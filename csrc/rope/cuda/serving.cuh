@@ -88,9 +88,9 @@ ROPE_HD void store_fp8(uint8_t* dst, const T (&x)[N], float scale, Fp8 t) {
 
 // Stores N values of (slot, head) at feature f of a cache of T or fp8.
 template <bool Vectorized, class T, int N>
-ROPE_HD void store_cache(const CacheParams& cp, const PagedCache& c, float scale, int64_t slot,
+ROPE_HD void store_cache(const CacheParams& cp, const PagedCache& c, float scale, int64_t row,
                          int64_t head, int64_t f, const T (&x)[N]) {
-  const int64_t off = cache_offset(c, cp.block_size, slot, head) + f;
+  const int64_t off = row + head * c.head_stride + f;
   if (cp.cache_fp8 != Fp8::kNone)
     store_fp8(static_cast<uint8_t*>(c.data) + off, x, scale, cp.cache_fp8);
   else
@@ -130,6 +130,9 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
   for (int64_t token = c.bx; token < p.n_tokens; token += c.gdx) {
     const TokenOffsets o = token_offsets(p, token);
     const int64_t slot = slot_of(cp, token);
+    // The token's cache rows (slot_offset), outside the loops over heads.
+    const int64_t k_row = slot >= 0 ? slot_offset(cp.key_cache, cp.block_size, slot) : 0;
+    const int64_t v_row = slot >= 0 ? slot_offset(cp.value_cache, cp.block_size, slot) : 0;
     for (int64_t lane = c.tx; lane < n_lanes; lane += c.bdx) {
       const bool rot = lane < l.n_rot_units;
       const int64_t j0 = lane * P;  // first pair of this unit
@@ -142,7 +145,7 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
                          hv * cp.v_head_stride + lane * V;
           T x[V];
           load_n<Vectorized>(src, x);
-          store_cache<Vectorized>(cp, cp.value_cache, v_scale, slot, hv, lane * V, x);
+          store_cache<Vectorized>(cp, cp.value_cache, v_scale, v_row, hv, lane * V, x);
           continue;
         }
         if (lane >= n_qk) continue;
@@ -168,7 +171,7 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
             store_fp8(q8_out + e, x, q_scale, cp.q_fp8);
           else if (p.t[ti].copy_pass)
             store_n<Vectorized>(out + e, x);
-          if (to_cache) store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, e, x);
+          if (to_cache) store_cache<Vectorized>(cp, cp.key_cache, k_scale, k_row, hh, e, x);
           continue;
         }
         // The unit's cos/sin, read per head (from L1 after the first head): kept across heads, as
@@ -184,7 +187,7 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
             store_fp8(q8_out + r0 + 2 * j0, y, q_scale, cp.q_fp8);
           else
             store_n<VecPairs>(out + r0 + 2 * j0, y);
-          if (to_cache) store_cache<VecPairs>(cp, cp.key_cache, k_scale, slot, hh, r0 + 2 * j0, y);
+          if (to_cache) store_cache<VecPairs>(cp, cp.key_cache, k_scale, k_row, hh, r0 + 2 * j0, y);
         } else {
           T y1[P], y2[P];
           rotate_unit<Vectorized>(in + r0, h, j0, cv, sv, y1, y2);
@@ -196,8 +199,8 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
             store_n<Vectorized>(out + r0 + h + j0, y2);
           }
           if (to_cache) {
-            store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, r0 + j0, y1);
-            store_cache<Vectorized>(cp, cp.key_cache, k_scale, slot, hh, r0 + h + j0, y2);
+            store_cache<Vectorized>(cp, cp.key_cache, k_scale, k_row, hh, r0 + j0, y1);
+            store_cache<Vectorized>(cp, cp.key_cache, k_scale, k_row, hh, r0 + h + j0, y2);
           }
         }
       }
