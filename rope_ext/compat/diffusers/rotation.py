@@ -47,7 +47,7 @@ class _Form(NamedTuple):
     * ``layout``: ``"repeat"`` / ``"cat"`` / ``"once"`` for the real forms (see :data:`FORMS`), ``""``
       otherwise;
     * ``dims``: which dims of ``x.shape[:-1]`` the frequencies' leading dims take, in order, the others
-      broadcast (diffusers' ``sequence_dim=1`` on ``[B, S, H, D]``: ``[S, w]`` is ``[1, S, 1, w]``,
+      of size 1 (diffusers' ``sequence_dim=1`` on ``[B, S, H, D]``: ``[S, w]`` is ``[1, S, 1, w]``,
       dims ``(1,)``; transformers' ``cos.unsqueeze(1)`` on ``[B, H, S, D]``: ``[B, S, w]``, dims ``(0, 2)``);
     * ``partial``: ``x`` wider than the rotary width is accepted, the features past it passed through;
     * ``keep_dtype``: outputs in ``x``'s dtype (else the promotion of ``x`` with the frequencies');
