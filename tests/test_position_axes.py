@@ -52,6 +52,30 @@ def test_axes_match_reference(backend, dtype, interleaved, inplace):
             assert_close_to_reference(out.cpu(), ref, float(x.abs().max()))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_axes_inverse_matches_reference_and_undoes_the_rotation(backend, dtype, inplace):
+    """``inverse=True`` with N axes (DeepSeek-V4-style rotating back by the query's positions): each pair
+    rotated by minus its own axis's angle, against the float64 reference; in float32 the inverse of the
+    forward rotation gives the input back within the rounding of two rotations."""
+    device = device_of(backend)
+    for i, (R, sec, mil) in enumerate(CONFIGS):
+        q, k, pos, cs = (t.to(device) for t in _inputs(dtype, R, len(sec), R + 4, seed=50 + i))
+        for interleaved in (False, True):
+            kw = dict(interleaved=interleaved, mrope_section=sec, mrope_interleaved=mil)
+            qo, ko = (q.clone(), k.clone()) if inplace else (q, k)
+            qo, ko = rotate_qk(backend, qo, ko, pos, cs, inverse=True, inplace=inplace, **kw)
+            for x, out in ((q, qo), (k, ko)):
+                ref = reference.rotary_hadamard(x.cpu(), pos.cpu(), cs.cpu(), inverse=True, **kw)
+                assert_close_to_reference(out.cpu(), ref, float(x.abs().max()))
+            if dtype == torch.float32:
+                fq, fk = rotate_qk(backend, q, k, pos, cs, **kw)
+                bq, bk = rotate_qk(backend, fq, fk, pos, cs, inverse=True, **kw)
+                torch.testing.assert_close(bq.cpu(), q.cpu(), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(bk.cpu(), k.cpu(), atol=1e-5, rtol=1e-5)
+
+
 def test_axes_on_every_cpu_instruction_set():
     """The per-token table from the axes' rows (vector blends per set) against the reference on each set
     this CPU runs; fp32 results equal across sets."""
