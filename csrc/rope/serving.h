@@ -62,17 +62,12 @@ ROPE_HD uint8_t quantize_fp8(float x, float scale, Fp8 t) {
   return t == Fp8::kE4M3 ? float_to_e4m3(y) : float_to_e5m2(y);
 }
 
-// Element offset of a slot's row (its head 0) in a paged cache; slot in
-// [0, n_cache_slots). The one division of a slot: kernels take it once per
-// token, outside their loops over heads.
+// Element offset of a slot's row in a paged cache (its head h starts
+// h * head_stride further); slot in [0, n_cache_slots). The one division of
+// a slot: kernels take it once per token, outside their loops over heads.
 ROPE_HD int64_t slot_offset(const PagedCache& c, int64_t block_size, int64_t slot) {
   const int64_t block = slot / block_size;
   return block * c.block_stride + (slot - block * block_size) * c.row_stride;
-}
-
-// Element offset of (slot, head) in a paged cache; slot in [0, n_cache_slots).
-ROPE_HD int64_t cache_offset(const PagedCache& c, int64_t block_size, int64_t slot, int64_t head) {
-  return slot_offset(c, block_size, slot) + head * c.head_stride;
 }
 
 // The cache slot of token t, or -1 when nothing is written for it (slot -1,

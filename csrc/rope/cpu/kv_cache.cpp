@@ -127,11 +127,12 @@ struct Fp8Tables {
   }
 };
 
-// Stores one row of n values of T into a cache row (a copy, or fp8).
+// Stores one row of n values of T into a cache row (a copy, or fp8); `row`:
+// the slot's offset in the cache (slot_offset).
 template <class T>
-void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t slot, int64_t head,
+void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t row, int64_t head,
                int64_t n, float scale, const uint8_t* table) {
-  const int64_t off = cache_offset(c, cp.block_size, slot, head);
+  const int64_t off = row + head * c.head_stride;
   if (cp.cache_fp8 != Fp8::kNone)
     quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8, table);
   else
@@ -174,11 +175,13 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
   for (int64_t token = begin; token < end; ++token) {
     const int64_t slot = token_slot(cp, token);
     if (slot < 0) continue;
+    const int64_t k_row = slot_offset(cp.key_cache, cp.block_size, slot);
+    const int64_t v_row = slot_offset(cp.value_cache, cp.block_size, slot);
     for (int64_t h = 0; h < cp.n_kv_heads; ++h) {
       const T* k = static_cast<const T*>(p.t[1].in) + row_offset(p, 1, token, h);
-      store_row(k, cp, cp.key_cache, slot, h, D, k_scale, tables.k);
+      store_row(k, cp, cp.key_cache, k_row, h, D, k_scale, tables.k);
       const T* v = static_cast<const T*>(cp.v) + token * cp.v_tok_stride + h * cp.v_head_stride;
-      store_row(v, cp, cp.value_cache, slot, h, cp.v_dim, v_scale, tables.v);
+      store_row(v, cp, cp.value_cache, v_row, h, cp.v_dim, v_scale, tables.v);
     }
   }
 }
