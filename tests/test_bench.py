@@ -423,3 +423,14 @@ def test_summary_says_which_serving_floors_are_met(machine):
     qk = line("qknorm", "prefill", 4096)
     assert "floor 85% of ceiling: NOT met" in qk
     assert ("floor 2x torch.compile unfused: met" in qk) == ("gpu" not in machine)
+
+
+def test_last_level_cache_read_past_entries_without_a_size(tmp_path, monkeypatch):
+    (tmp_path / "uevent").write_text("")  # sysfs lists it with the cache indexes, often first
+    for idx, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / idx).mkdir()
+        (tmp_path / idx / "size").write_text(size + "\n")
+    monkeypatch.setattr(bench.workloads, "_CPU_CACHE_SYSFS", str(tmp_path))
+    assert bench.last_level_cache_bytes() == 480 << 20
+    monkeypatch.setattr(bench.workloads, "_CPU_CACHE_SYSFS", str(tmp_path / "absent"))
+    assert bench.last_level_cache_bytes() == 32 << 20

@@ -4,7 +4,8 @@ For every workload (model preset or custom shape, token count, dtype, pairing) t
 
 1. builds ``q [T, Hq, D]``, ``k [T, Hkv, D]`` (token-major, contiguous), ``positions`` (``0..T-1`` for a
    prefill, each sequence's own for a packed prefill (``--seqs``), random positions of a batch of
-   sequences for a decode step; ``[3, T]`` for MRoPE presets) and a float32 cos/sin cache;
+   sequences for a decode step; ``[3, T]`` for MRoPE presets, ``[n_axes, T]`` for the vision and diffusion
+   presets, whose table restarts its frequencies per axis) and a float32 cos/sin cache;
 2. validates every provider against the float64 reference (:func:`rope_ext.reference.rotary_hadamard`)
    on the same inputs; a provider that disagrees is reported as ``wrong`` and is not timed;
 3. times the providers and the bandwidth ceilings of this machine side by side: several rounds, each
@@ -21,12 +22,13 @@ references, validated against :func:`rope_ext.reference.qk_norm_rotary`).
 The parts:
 
 * :mod:`.baselines` - the HF-style eager formula (the baseline, in the input dtype);
-* :mod:`.presets` - model presets (attention shapes), default token counts, dtypes, modes (the serving
-  modes, the KV-cache block size);
+* :mod:`.presets` - model presets (attention shapes; :class:`Axes` for FLUX, Wan, Qwen2-VL's vision
+  tower), default token counts, dtypes, modes (the serving modes, the KV-cache block size);
 * :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`; the
   serving modes' :class:`ServingInputs`), input sets;
 * :mod:`.providers` - the registry (:func:`provider`, :class:`Provider`, :class:`Skip`) and one module per
-  provider family (rope_ext, the HF references, vLLM, FlashInfer, flash-attn, Liger);
+  provider family (rope_ext, the HF references, the vision / diffusion models' own RoPE code, vLLM,
+  FlashInfer, flash-attn, Liger);
 * :mod:`.ceilings` - what the machine does with the same bytes (in-place stream, clone, copy, no-op op,
   tiny kernel; the serving modes' ``stream cache``);
 * :mod:`.parts` - pieces of a provider's work timed on their own (``varlen_positions``);
@@ -56,6 +58,8 @@ from .presets import (
     PREFILL_TOKENS,
     PRESETS,
     SERVING_MODES,
+    VISION_TARGETS,
+    Axes,
     Preset,
 )
 from .providers import PROVIDERS, Builder, Provider, Runner, Skip, provider
@@ -78,6 +82,7 @@ from .workloads import (
     Case,
     Config,
     ServingInputs,
+    axes_prefill_positions,
     input_sets,
     last_level_cache_bytes,
     make_case,
@@ -103,6 +108,8 @@ __all__ = [
     "SERVING_FLOORS",
     "SERVING_MODES",
     "TABLE_COLUMNS",
+    "VISION_TARGETS",
+    "Axes",
     "Builder",
     "Case",
     "Config",
@@ -112,6 +119,7 @@ __all__ = [
     "ServingInputs",
     "Skip",
     "Timer",
+    "axes_prefill_positions",
     "ceiling_bytes",
     "check",
     "config_from_args",

@@ -52,7 +52,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shape", action="append", default=[], help="custom shape Q,KV,D[,R] (repeatable)")
     ap.add_argument("--base", type=float, default=1e4, help="rope base for --shape")
     ap.add_argument(
-        "--tokens", default=",".join(map(str, PREFILL_TOKENS)), help="prefill token counts (empty: none)"
+        "--tokens",
+        default=",".join(map(str, PREFILL_TOKENS)),
+        help="prefill token counts (empty: none); 'model' adds each vision / diffusion preset's own prefill "
+        "(flux 4608, wan2.1-* 32760, qwen2-vl-vision 4096; other presets none), e.g. 'model' or 'model,1024'",
     )
     ap.add_argument(
         "--decode-tokens", default=",".join(map(str, DECODE_TOKENS)), help="decode token counts (empty: none)"
@@ -63,7 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="packed prefill: comma-separated sequence counts N; each prefill becomes a packed batch of N "
         "sequences of mixed lengths summing to its tokens (seeded), positions from "
         "rope_ext.varlen_positions, adding the rope_ext+varlen provider and the varlen_positions part "
-        "(empty: not packed; MRoPE presets stay unpacked, counts above the token count are skipped)",
+        "(empty: not packed; MRoPE and vision presets stay unpacked, counts above the token count are "
+        "skipped)",
     )
     ap.add_argument("--dtype", default="fp32,bf16", help=f"comma-separated, of {','.join(DTYPES)}")
     ap.add_argument(
@@ -153,6 +157,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
         else:
             raise SystemExit(f"unknown pairing {p!r}: model, half, interleaved or both")
     seqs = _ints(a.seqs)
+    words = [t.strip() for t in a.tokens.split(",")]
+    model_tokens = "model" in words
+    prefill = _ints(",".join(t for t in words if t != "model"))
     if any(n < 1 for n in seqs):
         raise SystemExit(f"--seqs wants sequence counts >= 1, got {a.seqs!r}")
     modes = [m.strip() for m in a.mode.split(",") if m.strip()]
@@ -161,7 +168,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
             raise SystemExit(f"unknown mode {m!r}; known: {', '.join(ALL_MODES)}")
     return Config(
         presets=presets,
-        prefill_tokens=_ints(a.tokens),
+        prefill_tokens=prefill,
         decode_tokens=_ints(a.decode_tokens),
         dtypes=dtypes,
         pairings=pairings,
@@ -175,6 +182,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         cache=a.cache,
         progress=not a.no_progress,
         seqs=seqs,
+        model_tokens=model_tokens,
     )
 
 
@@ -194,6 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"rotary_dim {p.rotary_dim:3d} {'interleaved' if p.interleaved else 'half-split'} "
                 f"base {p.base:g}"
                 + (f" mrope {'/'.join(map(str, p.mrope_section))}" if p.mrope_section else "")
+                + (
+                    f" axes {'/'.join(map(str, p.axes.dims))} ({p.axes.layout}, {p.axes.tokens} tokens)"
+                    if p.axes
+                    else ""
+                )
             )
         print("providers: " + ", ".join(sorted({f"{p.name} ({p.mode})" for p in PROVIDERS})))
         print("parts: " + ", ".join(PART_OF))

@@ -8,6 +8,8 @@ import torch
 
 __all__ = [
     "ALL_MODES",
+    "AXES_LAYOUTS",
+    "Axes",
     "DECODE_CACHE_SLOTS",
     "DECODE_CONTEXT",
     "DECODE_TOKENS",
@@ -20,8 +22,53 @@ __all__ = [
     "PREFILL_TOKENS",
     "PRESETS",
     "Preset",
+    "VISION_TARGETS",
     "dtype_name",
 ]
+
+AXES_LAYOUTS = ("flux", "video", "image")
+
+
+@dataclass(frozen=True)
+class Axes:
+    """Positions along several axes, each with its own frequencies (``RopeCache.for_axes``).
+
+    ``dims``: the rotary features of each axis (diffusers' ``axes_dim``), their sum the preset's rotary dim;
+    axis ``a`` rotates its features at ``base ** (-2i / dims[a])``, restarting per axis, and the ops take
+    ``mrope_section = dims / 2`` with positions ``[len(dims), T]``. ``layout``: how a prefill of ``T``
+    tokens is placed (:func:`~rope_ext.bench.workloads.axes_prefill_positions`):
+
+    * ``flux``: text tokens (ids all zero), then the image's ``(0, row, column)`` on a square latent grid of
+      ``isqrt(T - T // 9)`` rows (FLUX: 512 text tokens before a 64 x 64 grid of 4096 at ``T = 4608``);
+    * ``video``: ``(frame, row, column)`` in raster order, frames of ``grid = (rows, columns)`` patches,
+      the last frame partial when ``T`` is not a multiple of a frame;
+    * ``image``: ``(row, column)`` of a square grid of patches in 2 x 2 merge blocks (Qwen2-VL's vision
+      tower: ``get_vision_position_ids`` with ``spatial_merge_size=2``), its side the smallest even ``s``
+      with ``s * s >= T``, its first ``T`` tokens.
+
+    ``tokens``: the model's own prefill (``--tokens model``). ``model``: whose RoPE code the ``model-eager``
+    and ``model-compile`` providers time (``flux``, ``wan``, ``qwen2-vl-vision``).
+    """
+
+    dims: tuple[int, ...]
+    layout: str
+    tokens: int
+    model: str
+    grid: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layout not in AXES_LAYOUTS:
+            raise ValueError(f"layout must be one of {AXES_LAYOUTS}, got {self.layout!r}")
+        want = {"flux": 3, "video": 3, "image": 2}[self.layout]
+        if len(self.dims) != want or any(d <= 0 or d % 2 for d in self.dims):
+            raise ValueError(f"a {self.layout} layout takes {want} positive even axis dims, got {self.dims}")
+        if self.layout == "video" and len(self.grid) != 2:
+            raise ValueError(f"a video layout needs grid=(rows, columns), got {self.grid}")
+
+    @property
+    def sections(self) -> tuple[int, ...]:
+        """The ops' ``mrope_section``: each axis's number of pairs."""
+        return tuple(d // 2 for d in self.dims)
 
 
 @dataclass(frozen=True)
@@ -29,7 +76,10 @@ class Preset:
     """Attention shape of a model: heads, head and rotary dims, pairing and rope base.
 
     ``mrope_section`` ``(t, h, w)``: an MRoPE model (Qwen2-VL, Qwen2.5-VL): its workloads have positions
-    ``[3, T]`` (temporal, height, width) and pair ``j`` of the rotary dims takes the row of its section.
+    ``[3, T]`` (temporal, height, width) and pair ``j`` of the rotary dims takes the row of its section, the
+    frequencies those of one table over the whole rotary dim. ``axes``: a vision or diffusion model whose
+    frequencies restart per axis (:class:`Axes`): positions ``[n_axes, T]``, the table
+    ``RopeCache.for_axes(axes.dims, theta=base)``; prefills only (no decode step).
     """
 
     name: str
@@ -40,7 +90,50 @@ class Preset:
     interleaved: bool
     base: float = 10000.0
     mrope_section: tuple[int, int, int] | None = None
+    axes: Axes | None = None
 
+    def __post_init__(self) -> None:
+        if self.axes is not None:
+            if self.mrope_section is not None:
+                raise ValueError("a preset has mrope_section or axes, not both")
+            if sum(self.axes.dims) != self.rotary_dim:
+                raise ValueError(f"axes dims {self.axes.dims} must sum to rotary_dim {self.rotary_dim}")
+
+    @property
+    def sections(self) -> tuple[int, ...] | None:
+        """The ops' ``mrope_section``: the MRoPE sections, the axes' pairs, or None (one position a token)."""
+        return self.axes.sections if self.axes is not None else self.mrope_section
+
+
+# Vision and diffusion models, positions along several axes with per-axis frequencies:
+# * flux: diffusers' FluxTransformer2DModel (FLUX.1-dev / schnell): 24 heads of attention_head_dim 128,
+#   axes_dims_rope (16, 56, 56), FluxPosEmbed theta 10000, interleaved pairs (apply_rotary_emb,
+#   use_real_unbind_dim=-1); a 1024 x 1024 image is a 64 x 64 latent of 4096 tokens after 512 text tokens.
+# * wan2.1-14b / wan2.1-1.3b: diffusers' WanTransformer3DModel (Wan-AI/Wan2.1-T2V-14B-Diffusers: 5120 / 128
+#   = 40 heads; Wan2.1-T2V-1.3B: 1536 / 128 = 12 heads), WanRotaryPosEmbed: t / h / w features 44 / 42 / 42
+#   (h = w = 2 * (128 // 6)), theta 10000, interleaved pairs. Grid: WanPipeline's default 81 frames of
+#   480 x 832 are 21 x 60 x 104 latents, 21 x 30 x 52 = 32760 tokens after the 1 x 2 x 2 patches.
+# * qwen2-vl-vision: transformers' Qwen2VisionTransformerPretrainedModel (embed_dim 1280, 16 heads of 80):
+#   Qwen2VLVisionRotaryEmbedding's 20 frequencies theta ** (-2i / 40) for the row and again for the column,
+#   laid out (h, w, h, w) over the whole head, rotate_half pairs (apply_rotary_pos_emb_vision): axes
+#   (40, 40) half-split over all 80 features. A 896 x 896 image is 64 x 64 patches of 14 pixels.
+VISION_PRESETS = [
+    Preset("flux", 24, 24, 128, 128, True, 1e4, axes=Axes((16, 56, 56), "flux", 4608, "flux")),
+    Preset(
+        "wan2.1-14b", 40, 40, 128, 128, True, 1e4, axes=Axes((44, 42, 42), "video", 32760, "wan", (30, 52))
+    ),
+    Preset(
+        "wan2.1-1.3b", 12, 12, 128, 128, True, 1e4, axes=Axes((44, 42, 42), "video", 32760, "wan", (30, 52))
+    ),
+    Preset(
+        "qwen2-vl-vision", 16, 16, 80, 80, False, 1e4, axes=Axes((40, 40), "image", 4096, "qwen2-vl-vision")
+    ),
+]
+
+# The issue's targets for the vision presets' prefills on a CPU: rope_ext in place at frac_ceiling of the
+# in-place stream, and speedup_vs_compile / speedup_vs_eager times the model's own RoPE code (model-compile,
+# model-eager) on the same q and k.
+VISION_TARGETS = {"frac_ceiling": 0.9, "speedup_vs_compile": 3.0, "speedup_vs_eager": 8.0}
 
 # From each model's Hugging Face config.json: num_attention_heads, num_key_value_heads, head_dim,
 # rotary_dim (head_dim times partial_rotary_factor / rotary_pct, or GPT-J's rotary_dim), pairing
@@ -68,6 +161,7 @@ PRESETS: dict[str, Preset] = {
         Preset("gpt-oss-20b", 64, 8, 64, 64, False, 1.5e5),
         Preset("gemma-2-9b", 16, 8, 256, 256, False, 1e4),
         Preset("stablelm-3b", 32, 32, 80, 20, False, 1e4),
+        *VISION_PRESETS,
     ]
 }
 

@@ -15,6 +15,11 @@ The serving modes count their own bytes (:meth:`~rope_ext.bench.workloads.Case.b
 unfused eager path (``rope_ext unfused``, ``eager unfused``); the summary adds ``qknorm``'s ratio to
 ``torch.compile unfused``, a decode step's ratio to ``rope_ext`` in place on the same tokens, and whether
 the issue's floors are met (:data:`SERVING_FLOORS`).
+
+Vision and diffusion presets (``axes``): ``vs eager`` is against ``model-eager`` (the model's own RoPE code,
+diffusers' or transformers'), and the summary gives rope_ext's ratios to ``model-compile`` and
+``model-eager`` and whether a prefill meets the issue's targets
+(:data:`~rope_ext.bench.presets.VISION_TARGETS`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import json
 import math
 import sys
 from typing import Any
+
+from .presets import VISION_TARGETS
 
 __all__ = [
     "CEILING_STYLE",
@@ -163,7 +170,8 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
         "bytes: q and k read + written once, cos/sin row + position read once per token; "
         "% ceil: ceiling time / provider time on the same q, k bytes (in place vs 'stream in-place', "
         "out/backward vs 'clone'); % rot: part time / rotation time (rope_ext in place); vs eager: "
-        "hf-eager time / time; x no-op: time / registered no-op call.",
+        "hf-eager time / time (vision / diffusion presets: model-eager, the model's own RoPE code); "
+        "x no-op: time / registered no-op call.",
         file=file,
     )
     if any(r["mode"] in _SERVING for r in result["rows"]):
@@ -221,6 +229,8 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
                 rr = rows.get(f"{ref}|out")
                 if rr and rr.get("median_s"):
                     parts.append(f"{rr['median_s'] / out['median_s']:.1f}x {ref}")
+        if ip and (rows.get("model-eager|out") or rows.get("model-compile|out")) and "median_s" in ip:
+            parts += _vision_words(ip, rows, cpu="gpu" not in result["machine"])
         if bwd and "x_forward" in bwd:
             parts.append(f"backward {bwd['x_forward']:.2f}x forward")
         for r in (ip, out):
@@ -252,6 +262,23 @@ def summary(result: dict[str, Any], name: str = "rope_ext") -> list[str]:
             f"% of stream max / min {max(fr) / min(fr):.2f}x (best runs {max(fm) / min(fm):.2f}x)"
         )
     return lines
+
+
+def _vision_words(ip: dict[str, Any], rows: dict[str, dict[str, Any]], cpu: bool) -> list[str]:
+    """In place against the model's own RoPE code, and the issue's targets (a CPU's prefill)."""
+    t = VISION_TARGETS
+    words, checks = [], []
+    if "frac_ceiling" in ip:
+        checks.append((ip["frac_ceiling"], t["frac_ceiling"], f"{100 * t['frac_ceiling']:.0f}% of stream"))
+    for ref, key in (("model-compile", "speedup_vs_compile"), ("model-eager", "speedup_vs_eager")):
+        rr = rows.get(f"{ref}|out")
+        if rr and rr.get("median_s"):
+            x = rr["median_s"] / ip["median_s"]
+            words.append(f"in place {x:.1f}x {ref}")
+            checks.append((x, t[key], f"{t[key]:g}x {ref}"))
+    if cpu and ip["phase"] == "prefill":
+        words += [f"target {text}: {_met(got >= want)}" for got, want, text in checks]
+    return words
 
 
 _SERVING = ("cache", "cache-fp8", "qknorm")

@@ -92,6 +92,10 @@ def run_benchmark(
     wls = workloads(cfg)
     if cfg.seqs and any(p.mrope_section is not None for p in cfg.presets):
         notes["--seqs packs presets with one position per token; MRoPE presets ran unpacked prefills"] = None
+    if cfg.seqs and any(p.axes is not None for p in cfg.presets):
+        notes["--seqs packs presets with one position per token; axes presets ran unpacked prefills"] = None
+    if cfg.decode_tokens and any(p.axes is not None for p in cfg.presets):
+        notes["vision / diffusion presets (axes) have no decode step: they ran prefills only"] = None
     bar = None
     if cfg.progress:
         try:
@@ -119,7 +123,8 @@ def run_benchmark(
             "phase": phase,
             "tokens": tokens,
             "seqs": seqs or None,
-            "mrope_section": list(preset.mrope_section) if preset.mrope_section else None,
+            "mrope_section": list(preset.sections) if preset.sections else None,
+            "axes_dim": list(preset.axes.dims) if preset.axes else None,
             "bytes": case.bytes_moved(),
             "qk_bytes": sum(case.qk_bytes()),
         }
@@ -136,6 +141,7 @@ def run_benchmark(
                 row["bytes"] = case.bytes_moved(p.mode)
             try:
                 fn = p.build(case)
+                source = getattr(fn, "source", None)
                 info = check(case, p.mode, fn(), cfg.tol_ulps)
                 ok = info.pop("ok")
                 if ok and n_sets > 1:
@@ -148,6 +154,8 @@ def run_benchmark(
                 rows.append(row)
                 continue
             row.update(status="ok" if ok else "wrong", **info)
+            if source:
+                row["source"] = source
             wl_rows[key] = row
             rows.append(row)
             if ok:
@@ -199,12 +207,18 @@ def run_benchmark(
 BASELINE_MODE = {"inplace": "out", "out": "out", "backward": "backward"}
 # The compiled unfused reference of a mode, whose time over a row's is its speedup_vs_compile.
 COMPILED_REF = {"qknorm": "torch.compile unfused|qknorm"}
+# Presets with the model's own RoPE code (axes): their rotary rows' eager baseline is model-eager (not the
+# HF formula) and their speedup_vs_compile is against model-compile.
+MODEL_EAGER, MODEL_COMPILE = "model-eager|out", "model-compile|out"
 
 
 def _derive(wl: dict[str, dict[str, Any]]) -> None:
     """GB/s, fraction of the mode's ceiling, speedup vs eager (and vs the compiled unfused reference),
     call-overhead ratio and parts' fraction of the rotation, in place."""
     eager = {r["mode"]: r for r in wl.values() if r.get("baseline") and "median_s" in r}
+    model_eager = wl.get(MODEL_EAGER)
+    if model_eager and "median_s" in model_eager:
+        eager["out"] = model_eager
     # On a GPU the decode floor is the device time of a tiny kernel; on a CPU, the cost of a call.
     noop = wl.get("tiny kernel|ceiling") or wl.get("no-op call|ceiling")
     for r in wl.values():
@@ -231,6 +245,8 @@ def _derive(wl: dict[str, dict[str, Any]]) -> None:
         if ref:
             r["speedup_vs_eager"] = ref["median_s"] / t
         comp = wl.get(COMPILED_REF.get(r["mode"], ""))
+        if comp is None and r["mode"] in ("inplace", "out"):
+            comp = wl.get(MODEL_COMPILE)
         if comp and comp.get("median_s"):
             r["speedup_vs_compile"] = comp["median_s"] / t
         if noop and noop.get("median_s"):

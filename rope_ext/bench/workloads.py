@@ -11,6 +11,9 @@ contiguous), ``positions`` and a float32 cos/sin cache. Positions (int64):
 * decode: random positions in ``[0, DECODE_CONTEXT)``, one token of each of ``T`` sequences;
 * MRoPE presets (``Preset.mrope_section``): ``[3, T]`` (temporal, height, width). Prefill: a prompt of
   text, one image, text (:func:`mrope_prefill_positions`); decode: text tokens, the three rows equal.
+* vision and diffusion presets (``Preset.axes``): ``[n_axes, T]`` laid out as the model lays out its tokens
+  (:func:`axes_prefill_positions`), the table ``RopeCache.for_axes(axes.dims, theta=base)`` (frequencies
+  restarting per axis); prefills only.
 
 The serving modes (``cache``, ``cache-fp8``, ``qknorm``) add, built on first use (:attr:`Case.serving`):
 ``v [T, Hkv, D]``, packed with q and k as servers hold them (:meth:`Case.packed_qkv`: ``[T, Hq+2Hkv, D]``,
@@ -37,13 +40,22 @@ from torch import Tensor
 import rope_ext
 from rope_ext import reference
 
-from .presets import DECODE_CACHE_SLOTS, DECODE_CONTEXT, KV_BLOCK_SIZE, QKNORM_EPS, QKNORM_WEIGHT, Preset
+from .presets import (
+    DECODE_CACHE_SLOTS,
+    DECODE_CONTEXT,
+    KV_BLOCK_SIZE,
+    QKNORM_EPS,
+    QKNORM_WEIGHT,
+    Axes,
+    Preset,
+)
 
 __all__ = [
     "FP8_CACHE_DTYPE",
     "Case",
     "Config",
     "ServingInputs",
+    "axes_prefill_positions",
     "clones",
     "cycle",
     "input_sets",
@@ -77,6 +89,7 @@ class Config:
     cache: str = "cold"  # CPU: see input_sets
     progress: bool = True
     seqs: list[int] = field(default_factory=list)  # packed prefill: sequence counts (empty: not packed)
+    model_tokens: bool = False  # also each axes preset's own prefill (Axes.tokens)
 
 
 @dataclass
@@ -91,7 +104,7 @@ class Case:
     device: torch.device
     q: Tensor
     k: Tensor
-    positions: Tensor  # int64 [T], or [3, T] for MRoPE
+    positions: Tensor  # int64 [T], or [n_axes, T] for MRoPE and axes presets
     cos_sin: Tensor  # float32 [P, rotary_dim]
     grad_q: Tensor
     grad_k: Tensor
@@ -108,8 +121,9 @@ class Case:
         return "interleaved" if self.interleaved else "half-split"
 
     @property
-    def mrope_section(self) -> tuple[int, int, int] | None:
-        return self.preset.mrope_section
+    def mrope_section(self) -> tuple[int, ...] | None:
+        """What the ops take as ``mrope_section``: the MRoPE sections or the axes' pairs (or None)."""
+        return self.preset.sections
 
     @property
     def seqs(self) -> int:
@@ -118,7 +132,7 @@ class Case:
 
     @property
     def rope_positions(self) -> Tensor:
-        """``positions`` as the ops take them with q ``[T, H, D]``: ``[T, 1]``, or ``[3, T, 1]`` for MRoPE."""
+        """``positions`` as the ops take them with q ``[T, H, D]``: ``[T, 1]``, or ``[n_axes, T, 1]``."""
         return self.positions[..., None]
 
     def expected(self, mode: str) -> tuple[Tensor, Tensor]:
@@ -202,10 +216,10 @@ class Case:
     def cos_sin_rows(self) -> Tensor:
         """Each token's cos/sin row, ``[T, rotary_dim]`` float32 (cos half, then sin half).
 
-        MRoPE: pair ``j`` from the row of its section, as HF's ``apply_multimodal_rotary_pos_emb`` builds
-        its cos and sin once per forward.
+        MRoPE and axes: pair ``j`` from the row of its section's axis, as HF's
+        ``apply_multimodal_rotary_pos_emb`` builds its cos and sin once per forward.
         """
-        rows = self.cos_sin[self.positions]  # [T, R], or [3, T, R]
+        rows = self.cos_sin[self.positions]  # [T, R], or [n_axes, T, R]
         if self.mrope_section is not None:
             sec = reference.mrope_rows(self.rotary_dim // 2, self.mrope_section).to(rows.device)
             rows = rows.gather(0, torch.cat([sec, sec]).expand(1, *rows.shape[1:]))[0]
@@ -304,6 +318,30 @@ def mrope_prefill_positions(tokens: int) -> Tensor:
     ).to(torch.int64)
 
 
+def axes_prefill_positions(axes: Axes, tokens: int) -> Tensor:
+    """Positions ``[len(axes.dims), tokens]`` (int64) of a prefill laid out as ``axes.layout`` says
+    (:class:`~rope_ext.bench.presets.Axes`): ``flux`` text (zeros) then a square image ``(0, row, column)``,
+    ``video`` ``(frame, row, column)`` in raster order over frames of ``axes.grid``, ``image`` ``(row,
+    column)`` in 2 x 2 merge blocks."""
+    i = torch.arange(tokens)
+    if axes.layout == "flux":
+        s = math.isqrt(tokens - tokens // 9)
+        text = tokens - s * s
+        image = torch.stack([torch.zeros(s * s, dtype=torch.long), i[: s * s] // s, i[: s * s] % s])
+        return torch.cat([torch.zeros(3, text, dtype=torch.long), image], dim=1)
+    if axes.layout == "video":
+        rows, cols = axes.grid
+        return torch.stack([i // (rows * cols), i // cols % rows, i % cols])
+    s = math.isqrt(max(tokens, 1) - 1) + 1  # ceil(sqrt(T)), then even
+    s += s % 2
+    h, w = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
+    blocks = (s // 2, 2, s // 2, 2)  # get_vision_position_ids: 2 x 2 merge blocks, block-major
+    grid = torch.stack(
+        [h.reshape(blocks).transpose(1, 2).flatten(), w.reshape(blocks).transpose(1, 2).flatten()]
+    )
+    return grid[:, :tokens]
+
+
 def make_case(
     preset: Preset,
     tokens: int,
@@ -316,11 +354,16 @@ def make_case(
 ) -> Case:
     """Random q, k, grads (standard normal) and positions for one workload (``seqs``: a packed prefill)."""
     g = torch.Generator().manual_seed(seed)
-    mrope = preset.mrope_section is not None
+    mrope = preset.sections is not None
     cu_seqlens = None
     if seqs and (phase != "prefill" or mrope):
         raise ValueError("packed workloads (seqs) are prefills of presets with one position per token")
-    if phase == "decode":
+    if preset.axes is not None and phase != "prefill":
+        raise ValueError(f"{preset.name}: presets with axes have prefills only")
+    if preset.axes is not None:
+        positions = axes_prefill_positions(preset.axes, tokens)
+        n_pos = int(positions.max()) + 1 if tokens else 1
+    elif phase == "decode":
         positions = torch.randint(0, DECODE_CONTEXT, (tokens,), generator=g, dtype=torch.int64)
         if mrope:
             positions = positions.expand(3, tokens).contiguous()
@@ -335,7 +378,12 @@ def make_case(
     else:
         positions = torch.arange(tokens, dtype=torch.int64)
         n_pos = max(tokens, 1)
-    cos_sin = rope_ext.RopeCache(preset.rotary_dim, preset.base, max_positions=n_pos).cos_sin
+    if preset.axes is not None:
+        cos_sin = rope_ext.RopeCache.for_axes(
+            list(preset.axes.dims), theta=preset.base, max_positions=n_pos
+        ).cos_sin
+    else:
+        cos_sin = rope_ext.RopeCache(preset.rotary_dim, preset.base, max_positions=n_pos).cos_sin
 
     def rnd(h: int) -> Tensor:
         return torch.randn(tokens, h, preset.head_dim, generator=g).to(dtype)
@@ -367,7 +415,8 @@ def workloads(cfg: Config) -> list[tuple[Preset, int, str, torch.dtype, bool, in
 
     ``seqs`` is 0 for a workload that is not packed. With ``cfg.seqs``, every prefill of a preset with one
     position per token is a packed batch of each of those sequence counts (counts above the token count
-    skipped); MRoPE presets keep their plain prefill.
+    skipped); MRoPE and axes presets keep their plain prefill. Axes presets have no decode step; with
+    ``cfg.model_tokens`` they also run their own prefill (``Axes.tokens``).
     """
     out = []
     for preset in cfg.presets:
@@ -376,26 +425,34 @@ def workloads(cfg: Config) -> list[tuple[Preset, int, str, torch.dtype, bool, in
             il = preset.interleaved if p == "model" else p == "interleaved"
             if il not in pairs:
                 pairs.append(il)
-        packed = cfg.seqs if cfg.seqs and preset.mrope_section is None else [0]
+        packed = cfg.seqs if cfg.seqs and preset.sections is None else [0]
+        decode = [] if preset.axes is not None else cfg.decode_tokens
+        prefill = list(cfg.prefill_tokens)
+        if cfg.model_tokens and preset.axes is not None and preset.axes.tokens not in prefill:
+            prefill.append(preset.axes.tokens)
         for dt in cfg.dtypes:
             for il in pairs:
-                for t in cfg.decode_tokens:
+                for t in decode:
                     out.append((preset, t, "decode", dt, il, 0))
-                for t in cfg.prefill_tokens:
+                for t in prefill:
                     out += [(preset, t, "prefill", dt, il, n) for n in packed if n <= t]
     return out
+
+
+_CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
 
 
 def last_level_cache_bytes() -> int:
     """Size of the CPU's last-level cache (Linux sysfs), 32 MiB when unknown."""
     best = 0
-    with contextlib.suppress(OSError, ValueError):
-        base = "/sys/devices/system/cpu/cpu0/cache"
+    base = _CPU_CACHE_SYSFS
+    with contextlib.suppress(OSError):
         for idx in os.listdir(base):
-            with open(f"{base}/{idx}/size") as f:
-                text = f.read().strip()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            best = max(best, int(text.rstrip("KMG")) * mult)
+            with contextlib.suppress(OSError, ValueError):  # each index on its own: "uevent" has no size
+                with open(f"{base}/{idx}/size") as f:
+                    text = f.read().strip()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                best = max(best, int(text.rstrip("KMG")) * mult)
     return best or 32 << 20
 
 

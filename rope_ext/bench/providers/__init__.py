@@ -70,7 +70,7 @@ def flat(t: Tensor) -> Tensor:
 
 
 # One module per provider family, imported (so registered) in this order: the order of a workload's rows.
-FAMILIES = ("rope_ext", "hf", "vllm", "flashinfer", "sglang", "flash_attn", "liger", "onnxruntime")
+FAMILIES = ("rope_ext", "hf", "model", "vllm", "flashinfer", "sglang", "flash_attn", "liger", "onnxruntime")
 for _family in FAMILIES:
     importlib.import_module(f"{__name__}.{_family}")
 del _family
