@@ -6,7 +6,12 @@ from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
 from .ops import _set_cpu_isa as _set_cpu_isa
 from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_, set_position_checks
-from .serving import apply_qk_norm_rotary, apply_qk_norm_rotary_, apply_rotary_qk_and_cache_
+from .serving import (
+    apply_mla_rotary_and_cache_,
+    apply_qk_norm_rotary,
+    apply_qk_norm_rotary_,
+    apply_rotary_qk_and_cache_,
+)
 from .varlen import varlen_positions
 
 __all__ = [
@@ -14,6 +19,7 @@ __all__ = [
     "apply_rotary_qk",
     "apply_rotary_qk_",
     "apply_rotary_qk_and_cache_",
+    "apply_mla_rotary_and_cache_",
     "apply_qk_norm_rotary",
     "apply_qk_norm_rotary_",
     "set_position_checks",

@@ -151,10 +151,10 @@ def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
             )
 
 
-def _slots_in_range(slot_mapping: Tensor, key_cache: Tensor, layout: str) -> None:
-    """With position checks on (the caller tests it), eager CUDA calls check slots too."""
-    if slot_mapping.numel() > 0 and key_cache.dim() == 4 and _host_check(slot_mapping):
-        n = key_cache.shape[0] * key_cache.shape[1 if layout == "NHD" else 2]
+def _slots_in_range(slot_mapping: Tensor, n: int | None) -> None:
+    """With position checks on (the caller tests it), eager CUDA calls check slots too; ``n``: the
+    cache's slots (None when its shape is wrong, which the op reports)."""
+    if slot_mapping.numel() > 0 and n is not None and _host_check(slot_mapping):
         bad = (slot_mapping < -1) | (slot_mapping >= n)
         if bool(bad.any()):
             value = int(slot_mapping[bad][0])
@@ -171,12 +171,12 @@ def _slots_in_range(slot_mapping: Tensor, key_cache: Tensor, layout: str) -> Non
             )
 
 
-def _no_grad_wanted(**tensors: Tensor | None) -> None:
+def _no_grad_wanted(op: str, **tensors: Tensor | None) -> None:
     names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
     if torch.is_grad_enabled() and names:
         raise RuntimeError(
-            f"{', '.join(names)} requires grad, but apply_rotary_qk_and_cache_ is an inference op and "
-            "records no gradient; call it under torch.no_grad() (or use apply_rotary_qk for training)"
+            f"{', '.join(names)} requires grad, but {op} is an inference op and records no gradient; call "
+            "it under torch.no_grad() (or use apply_rotary_qk for training)"
         )
 
 
@@ -224,10 +224,27 @@ def cache_args(a):
         raise TypeError(f"layout must be 'NHD' or 'HND', got {type(a.layout).__name__}")
     if a.mrope_section is not None:
         a = a._replace(mrope_section=_sections(a.mrope_section))
-    _no_grad_wanted(q=a.q, k=a.k, v=a.v, q_out=a.q_out, key_cache=a.key_cache, value_cache=a.value_cache)
+    _no_grad_wanted(
+        "apply_rotary_qk_and_cache_",
+        q=a.q, k=a.k, v=a.v, q_out=a.q_out, key_cache=a.key_cache, value_cache=a.value_cache,
+    )  # fmt: skip
     if position_checks.on_device:
         _positions_in_range(a.positions, a.cos_sin)
-        _slots_in_range(a.slot_mapping, a.key_cache, a.layout)
+        c = a.key_cache
+        n = c.shape[0] * c.shape[1 if a.layout == "NHD" else 2] if c.dim() == 4 else None
+        _slots_in_range(a.slot_mapping, n)
+    return a
+
+
+def mla_args(a):
+    """``mla_rotary_cache_`` (``apply_mla_rotary_and_cache_``)."""
+    _require_offset(a.rotary_offset)
+    grads = dict(q=a.q, kv_c=a.kv_c, k_pe=a.k_pe, q_out=a.q_out, kv_cache=a.kv_cache)
+    _no_grad_wanted("apply_mla_rotary_and_cache_", **grads)
+    if position_checks.on_device:
+        _positions_in_range(a.positions, a.cos_sin)
+        c = a.kv_cache
+        _slots_in_range(a.slot_mapping, c.shape[0] * c.shape[1] if c.dim() == 3 else None)
     return a
 
 

@@ -22,7 +22,10 @@ The serving ops:
 * ``rotary_qk_cache_`` (a paged cache is indexed by global slots, so tokens are never split): everything
   replicated, or q, k, v sharded on heads (tensor parallel) with both caches sharded on their head dim
   (dim 2 for ``"NHD"``, 1 for ``"HND"``) and q_out like q; positions, cos_sin, slot_mapping and the
-  scales replicated.
+  scales replicated;
+* ``mla_rotary_cache_`` (the latent cache has no head dim): everything replicated, or q (and q_out)
+  sharded on heads with kv_c, k_pe, the cache and the rest replicated (each rank writes the same rows
+  into its replica).
 
 Anything else (the last dim sharded, ``Partial`` placements, q / k / positions sharded inconsistently)
 matches none of these, and DTensor redistributes the inputs to the cheapest one that does, so the result
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .specs import CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
 
 __all__ = ["register_sharding_rules", "register_sharding_rules_on_import"]
 
@@ -224,6 +227,17 @@ def register_sharding_rules() -> bool:
             return {"q": x, "k": x, "v": x, "key_cache": c, "value_cache": c, **fixed, **scales, **q_out}
 
         return [([], inputs(R, R)), ([], inputs(Shard(1), Shard(cache_heads)))]
+
+    @rule(MLA_CACHE)
+    def _mla_rotary_cache(a):
+        # the latent cache has no heads: it, kv_c and k_pe are replicated; q may be sharded by heads
+        def inputs(x: Any) -> dict[str, Any]:
+            scales = {n: R for n in ("kv_scale", "q_scale") if getattr(a, n) is not None}
+            q_out = {} if a.q_out is None else {"q_out": x}
+            fixed = {n: R for n in ("kv_c", "k_pe", "positions", "cos_sin", "kv_cache", "slot_mapping")}
+            return {"q": x, **fixed, **scales, **q_out}
+
+        return [([], inputs(R)), ([], inputs(Shard(1)))]
 
     _registered = True
     return True

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .checks import FP8_DTYPES, MAX_AXES, split_qkv
 from .positions import positions_shape
-from .specs import CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
 
 __all__ = ["empty_output", "fake_kernel"]
 
@@ -136,7 +136,10 @@ def _three_d(x: Any, name: str, shape: str) -> None:
 
 def _serving_qk(a: Any, q: Tensor, k: Tensor) -> None:
     """The checks of the serving ops' q and k (3-d), and that positions hold one position per token of q."""
-    positions = _rotated_qk(a, q, k, token_major=True)
+    _one_per_token(_rotated_qk(a, q, k, token_major=True), q)
+
+
+def _one_per_token(positions: Tensor, q: Tensor) -> None:
     shape = positions_shape(positions.shape, q.shape[:-1], "q", token_major=True)
     T = q.shape[0]
     per_token = len(shape) == 2 and shape[-1] == 1 and (shape[0] == T or T <= 1)
@@ -169,6 +172,44 @@ def _rotary_qk_cache(a):
         raise TypeError(
             f"key_cache must have the dtype of q ({q.dtype}) or be float8_e4m3fn / float8_e5m2, "
             f"got {key_cache.dtype}"
+        )
+
+
+@fake_kernel(MLA_CACHE)
+def _mla_rotary_cache(a):
+    q, kv_c, k_pe, kv_cache = a.q, a.kv_c, a.k_pe, a.kv_cache
+    _three_d(q, "q", "[T, H, D]")
+    for name in ("kv_c", "k_pe", "kv_cache", "slot_mapping"):
+        t = getattr(a, name)
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    _rotated(q, a.positions, a, "q", token_major=True)
+    _one_per_token(a.positions, q)
+    for name in ("kv_c", "k_pe", "kv_cache", "slot_mapping", "kv_scale", "q_out", "q_scale"):
+        _on_device_of(q, name, getattr(a, name))
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
+    if kv_c.dim() != 2:
+        raise ValueError(f"kv_c must be [T, kv_lora_rank], got shape {list(kv_c.shape)}")
+    if not (k_pe.dim() == 2 or (k_pe.dim() == 3 and k_pe.shape[1] == 1)):
+        raise ValueError(f"k_pe must be [T, rotary_dim] or [T, 1, rotary_dim], got shape {list(k_pe.shape)}")
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            "kv_cache must be [num_blocks, block_size, kv_lora_rank + rotary_dim], got shape "
+            f"{list(kv_cache.shape)}"
+        )
+    T = q.shape[0]
+    torch._check(kv_c.shape[0] == T and k_pe.shape[0] == T, lambda: "q, kv_c, k_pe: same T")
+    torch._check(k_pe.shape[-1] == a.cos_sin.shape[-1], lambda: "k_pe.shape[-1] must be rotary_dim")
+    torch._check(kv_cache.shape[-1] == kv_c.shape[-1] + k_pe.shape[-1], lambda: "kv_cache.shape[-1]")
+    torch._check(a.slot_mapping.dim() == 1, lambda: "slot_mapping must be [T']")
+    if a.slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be an int64 tensor, got {a.slot_mapping.dtype}")
+    if kv_cache.dtype not in (q.dtype, *FP8_DTYPES):
+        raise TypeError(
+            f"kv_cache must have the dtype of q ({q.dtype}) or be float8_e4m3fn / float8_e5m2, "
+            f"got {kv_cache.dtype}"
         )
 
 

@@ -20,9 +20,14 @@ from . import autograd as _autograd  # noqa: F401  (registers the autograd formu
 from . import fakes as _fakes  # noqa: F401  (registers the fake kernels)
 from ._inplace import check_inplace_allowed
 from .checks import position_checks, split_qkv, typed_errors
-from .specs import CACHE, QK_NORM, QK_NORM_PACKED_
+from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_PACKED_
 
-__all__ = ["apply_qk_norm_rotary", "apply_qk_norm_rotary_", "apply_rotary_qk_and_cache_"]
+__all__ = [
+    "apply_mla_rotary_and_cache_",
+    "apply_qk_norm_rotary",
+    "apply_qk_norm_rotary_",
+    "apply_rotary_qk_and_cache_",
+]
 
 _is_compiling = torch.compiler.is_compiling
 _DEFAULT_EPS = QK_NORM.Args._field_defaults["eps"]  # the schemas' default eps
@@ -123,6 +128,77 @@ def _cache_checked(inputs: tuple, options: tuple) -> None:
         (a.q if a.q_out is None else a.q_out).copy_(qc if a.q_out is None else qo)
         return
     CACHE.call(a)
+
+
+def apply_mla_rotary_and_cache_(
+    q: Tensor,
+    kv_c: Tensor,
+    k_pe: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    rotary_offset: int = 0,
+    interleaved: bool = False,
+    kv_scale: Tensor | None = None,
+    q_out: Tensor | None = None,
+    q_scale: Tensor | None = None,
+) -> None:
+    """RoPE + MLA latent-cache write (DeepSeek-V2/V3, Kimi-K2), in one pass.
+
+    - ``q [T, H, D]``: features ``rotary_offset .. rotary_offset + rotary_dim`` (``rotary_dim =
+      cos_sin.shape[-1]``) rotated in place; DeepSeek's ``q [T, H, nope + rope]`` passes
+      ``rotary_offset=nope``. With ``q_out`` (q's shape; q's dtype, or fp8 with ``q_scale``) q is read
+      only and q_out gets the whole head: the rope part rotated, the others copied (an fp8 q_out holds
+      ``quantize_fp8`` of both, FlashInfer's ``mla_rope_quantize_fp8``).
+    - ``k_pe [T, rotary_dim]`` (or ``[T, 1, rotary_dim]``): rotated in place.
+    - ``kv_c [T, kv_lora_rank]`` (normalised already) and the rotated k_pe are stored side by side in
+      ``kv_cache [num_blocks, block_size, kv_lora_rank + rotary_dim]`` (vLLM's ``concat_and_cache_mla``
+      layout) at ``slot_mapping`` as :func:`apply_rotary_qk_and_cache_` does: slot -1 and tokens past
+      slot_mapping are rotated, not written; a slot outside the cache is an ``IndexError`` on CPU before
+      any write, skipped on CUDA. kv_cache of q's dtype, or fp8 with ``kv_scale`` (None is 1.0).
+
+    Any strides with a contiguous last dim (kv_c and k_pe may be views of one projection output).
+    Pairing half-split or ``interleaved`` (DeepSeek's checkpoints are interleaved; vLLM's DeepSeek
+    models pass ``is_neox_style=False``). One kernel launch on CUDA, CUDA-graph safe; every argument is
+    checked before the first write. An inference op: no autograd. DeepSeek's yarn table:
+    ``RopeCache.from_hf_config(config)`` with ``rotary_dim = qk_rope_head_dim``.
+    """
+    inputs = (q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping)
+    options = (kv_scale, q_out, q_scale, interleaved, rotary_offset)
+    if (
+        type(q) is type(kv_c) is type(k_pe) is type(positions) is Tensor
+        and type(kv_cache) is type(slot_mapping) is Tensor
+        and positions.dim() == 1
+        and type(rotary_offset) is int
+        and not (q.requires_grad or kv_c.requires_grad or k_pe.requires_grad or kv_cache.requires_grad)
+        and (q_out is None or (type(q_out) is Tensor and not q_out.requires_grad))
+        and not position_checks.on_device
+        and not _is_compiling()
+    ):
+        # The common eager call (a decode step): straight to the op, which checks everything else.
+        try:
+            MLA_CACHE.eager(inputs, options)
+        except Exception as e:
+            MLA_CACHE.reject(inputs, options, e)
+        return
+    _mla_checked(inputs, options)
+
+
+@typed_errors
+def _mla_checked(inputs: tuple, options: tuple) -> None:
+    """``apply_mla_rotary_and_cache_`` past the eager fast path: every check, and ``torch.compile``."""
+    a = MLA_CACHE.check(inputs, options)
+    if _is_compiling() and (_is_view(a.q) or _is_view(a.k_pe) or _is_view(a.q_out)):
+        # As in _cache_checked: views mutated by a custom op run on copies, copied back.
+        qc, kc = a.q.clone(), a.k_pe.clone()
+        qo = None if a.q_out is None else torch.empty_like(a.q_out)
+        MLA_CACHE.call(a._replace(q=qc, k_pe=kc, q_out=qo))
+        a.k_pe.copy_(kc)
+        (a.q if a.q_out is None else a.q_out).copy_(qc if a.q_out is None else qo)
+        return
+    MLA_CACHE.call(a)
 
 
 def apply_qk_norm_rotary_(

@@ -158,7 +158,8 @@ void check_writable(const Arg& q, const Arg* k) {
 rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
                              const Tensor& positions, const Tensor& cos_sin, bool interleaved,
                              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
-                             bool mrope_interleaved, const char* q_name, bool token_major) {
+                             bool mrope_interleaved, const char* q_name, bool token_major,
+                             const char* k_name, bool k_rotary_only) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
   const ScalarType dtype = dtype_of(q_in);
@@ -168,15 +169,15 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   const Layout* ki = k_in ? &k_in->layout() : nullptr;
   const Layout* ko = k_out ? &k_out->layout() : nullptr;
   if (k_in) {
-    check_input(*k_in, "k");
-    ROPE_CHECK(TypeError, dtype_of(*k_in) == dtype, "k must have the dtype of q (", dtype,
+    check_input(*k_in, k_name);
+    ROPE_CHECK(TypeError, dtype_of(*k_in) == dtype, k_name, " must have the dtype of q (", dtype,
                "), got ", dtype_of(*k_in));
-    ROPE_CHECK(ValueError, same_device(*k_in, q_in), "k must be on the device of q (",
+    ROPE_CHECK(ValueError, same_device(*k_in, q_in), k_name, " must be on the device of q (",
                device_str(q_in), "), got ", device_str(*k_in));
-    ROPE_CHECK(ValueError, ki->dim() == qi.dim(), "k must have the rank of q (", qi.dim(),
+    ROPE_CHECK(ValueError, ki->dim() == qi.dim(), k_name, " must have the rank of q (", qi.dim(),
                "), got shape ", shape_str(ki->size));
-    ROPE_CHECK(ValueError, ki->size.back() == head_dim, "k must have the head_dim of q (", head_dim,
-               "), got ", ki->size.back());
+    ROPE_CHECK(ValueError, k_rotary_only || ki->size.back() == head_dim, k_name,
+               " must have the head_dim of q (", head_dim, "), got ", ki->size.back());
   }
 
   ROPE_CHECK(TypeError, cos_sin.defined(), "cos_sin must be a tensor, got None");
@@ -199,6 +200,9 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
              ", rotary_dim = cos_sin.shape[-1] = ", rotary_dim, "), got ", rotary_offset);
   ROPE_CHECK(ValueError, cs_stride[1] == 1, "cos_sin must have a contiguous last dim, got strides ",
              shape_str(cs_stride));
+  ROPE_CHECK(ValueError, !k_rotary_only || ki->size.back() == rotary_dim, k_name,
+             ".shape[-1] must be rotary_dim (cos_sin.shape[-1] = ", rotary_dim, "), got ",
+             ki->size.back());
 
   ROPE_CHECK(TypeError, positions.defined(), "positions must be a tensor, got None");
   const ScalarType pos_dtype = dtype_of(positions);
@@ -267,7 +271,7 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
     const int64_t psize = real ? pos_sizes[pd] : 1;
     const int64_t pstride = real && psize > 1 ? pos_strides[pd] : 0;
     ROPE_CHECK(ValueError, psize == 1 || psize == qb[d], not_broadcastable(xname, qb));
-    ROPE_CHECK(ValueError, psize == 1 || psize == kb[d], not_broadcastable("k", kb));
+    ROPE_CHECK(ValueError, psize == 1 || psize == kb[d], not_broadcastable(k_name, kb));
     const int64_t qin = qi.stride[d], qout = qo.stride[d];
     const int64_t kin = ki ? ki->stride[d] : 0, kout = ko ? ko->stride[d] : 0;
     if (pstride != 0) {
@@ -337,7 +341,7 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   check_disjoint(qo, qo_name, lpos, "positions");
   check_disjoint(qo, qo_name, lcs, "cos_sin");
   if (ko) {
-    const char* ko_name = k_out == k_in ? "k" : "k_out";
+    const char* ko_name = k_out == k_in ? k_name : "k_out";
     check_disjoint(*ko, ko_name, lpos, "positions");
     check_disjoint(*ko, ko_name, lcs, "cos_sin");
   }

@@ -54,6 +54,14 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
                       const Sections& mrope_section, bool mrope_interleaved);
 
+// rope_ext::mla_rotary_cache_ (RoPE + MLA latent-cache write)
+void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv_c,
+                       const Tensor& k_pe, const Tensor& positions, const Tensor& cos_sin,
+                       const Tensor& kv_cache, const Tensor& slot_mapping,
+                       const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
+                       const std::optional<Tensor>& q_scale, bool interleaved,
+                       int64_t rotary_offset);
+
 // rope_ext::qk_norm_rotary_ (in place) and rope_ext::qk_norm_rotary
 void qk_norm_rotary_(const Backend& backend, const Tensor& q, const Tensor& k,
                      const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions,
@@ -129,6 +137,7 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   impl<&rotary_qk, B>(m, "rotary_qk");
   impl<&rotary_qk_, B>(m, "rotary_qk_");
   impl<&rotary_qk_cache_, B>(m, "rotary_qk_cache_");
+  impl<&mla_rotary_cache_, B>(m, "mla_rotary_cache_");
   impl<&qk_norm_rotary_, B>(m, "qk_norm_rotary_");
   impl<&qk_norm_rotary, B>(m, "qk_norm_rotary");
   impl<&qk_norm_rotary_packed_, B>(m, "qk_norm_rotary_packed_");
@@ -139,7 +148,16 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
 }
 
 // Checks the arguments of the serving ops and returns their kernel parameters
-// (no data touched). q_out / k_out of make_norm_params may be q / k.
+// (no data touched). q_out / k_out of make_norm_params may be q / k. The MLA
+// cache write is the cache write of k_pe and kv_c into kv_cache's two column
+// ranges (rope::CacheParams).
+rope::CacheParams make_mla_cache_params(const Tensor& q, const Tensor& kv_c, const Tensor& k_pe,
+                                        const Tensor& positions, const Tensor& cos_sin,
+                                        const Tensor& kv_cache, const Tensor& slot_mapping,
+                                        const std::optional<Tensor>& kv_scale,
+                                        const std::optional<Tensor>& q_out,
+                                        const std::optional<Tensor>& q_scale, bool interleaved,
+                                        int64_t rotary_offset);
 rope::CacheParams make_cache_params(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
     const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
@@ -155,14 +173,17 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws the exceptions above, naming the argument (q_name,
-// default "q" with k and "x" without); touches no data. Positions follow the
-// one rule of every op (README, "Positions"); token_major (the ops on
-// [T, H, D]) also reads positions [T] as [T, 1], one position per token.
+// default "q" with k and "x" without; k_name); touches no data. Positions
+// follow the one rule of every op (README, "Positions"); token_major (the ops
+// on [T, H, D]) also reads positions [T] as [T, 1], one position per token.
+// k_rotary_only: k holds rotary_dim features, all rotated (MLA's k_pe; only
+// the cache write's kernels take it, through CacheParams::k_dim).
 rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
                              const Tensor& positions, const Tensor& cos_sin, bool interleaved,
                              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
                              bool mrope_interleaved, const char* q_name = nullptr,
-                             bool token_major = false);
+                             bool token_major = false, const char* k_name = "k",
+                             bool k_rotary_only = false);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.

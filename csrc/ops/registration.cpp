@@ -46,6 +46,18 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor? v_scale=None, Tensor(e!)? q_out=None, Tensor? q_scale=None, "
       "bool interleaved=False, str layout=\"NHD\", int rotary_offset=0, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+  // RoPE + MLA latent-cache write (DeepSeek-V2/V3): q [T, H, D] rotated in
+  // place at features [rotary_offset, rotary_offset + rotary_dim) (into q_out
+  // instead when given, the other features copied, of q's dtype or fp8 with
+  // q_scale), k_pe [T, rotary_dim] ([T, 1, rotary_dim]) rotated in place, and
+  // kv_c [T, kv_lora_rank] and the rotated k_pe stored side by side at
+  // slot_mapping[t] of kv_cache [blocks, block_size, kv_lora_rank +
+  // rotary_dim], of q's dtype or fp8 with kv_scale.
+  m.def(
+      "mla_rotary_cache_(Tensor(a!) q, Tensor kv_c, Tensor(b!) k_pe, Tensor positions, "
+      "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale=None, "
+      "Tensor(d!)? q_out=None, Tensor? q_scale=None, bool interleaved=False, "
+      "int rotary_offset=0) -> ()");
   // QK-RMSNorm + rotary: each head of q [T, Hq, D] and k [T, Hk, D] RMS-
   // normalised over D (float32), scaled by weight + weight_offset, rounded to
   // the dtype, then rotated; in place, or into new tensors. positions as for

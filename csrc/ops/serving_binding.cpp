@@ -62,31 +62,40 @@ void check_tokens(const rope::RopeParams& p, int64_t T) {
 
 }  // namespace
 
-rope::CacheParams make_cache_params(
-    const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& positions,
-    const Tensor& cos_sin, const Tensor& key_cache_t, const Tensor& value_cache_t,
-    const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
-    const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
-    const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
-  const Arg q(q_t), k(k_t), v(v_t), key_cache(key_cache_t), value_cache(value_cache_t);
-  std::optional<Arg> q_out_arg;
-  if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
-  const Arg* qo = q_out_arg ? &*q_out_arg : nullptr;
+namespace {
+
+// The names a cache write's messages give its tensors: the GQA op's, or the MLA op's (whose k and v
+// are views of k_pe and kv_c, and whose two caches are the column ranges of one kv_cache).
+struct CacheNames {
+  const char *k, *v, *key_cache, *value_cache, *k_scale, *v_scale;
+};
+constexpr CacheNames kGqaNames{"k", "v", "key_cache", "value_cache", "k_scale", "v_scale"};
+constexpr CacheNames kMlaNames{"k_pe", "kv_c", "kv_cache", "kv_cache", "kv_scale", "kv_scale"};
+
+// The checks and kernel parameters of a cache write. mla: k is k_pe [T, 1, rotary_dim], rotated
+// whole, and the messages use the MLA op's names.
+rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const Tensor& positions,
+                               const Tensor& cos_sin, const Arg& key_cache, const Arg& value_cache,
+                               const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+                               const std::optional<Tensor>& v_scale, const Arg* qo,
+                               const std::optional<Tensor>& q_scale, bool interleaved,
+                               const std::string& layout, int64_t rotary_offset,
+                               const Sections& mrope_section, bool mrope_interleaved, bool mla) {
+  const CacheNames& n = mla ? kMlaNames : kGqaNames;
   check_3d(q, "q", "[T, Hq, D]");
-  check_3d(k, "k", "[T, Hk, D]");
-  check_3d(v, "v", "[T, Hk, Dv]");
-  const int64_t T = q.size(0), Hk = k.size(1), D = q.size(2), Dv = v.size(2);
-  ROPE_CHECK(ValueError, Dv <= rope::kMaxHeadDim, "v.shape[-1] must be at most ", rope::kMaxHeadDim,
-             ", got ", Dv);
-  ROPE_CHECK(ValueError, k.size(0) == T && v.size(0) == T, "q, k and v must have the same tokens T",
-             " (dim 0), got shapes ", shape_str(q.sizes()), ", ", shape_str(k.sizes()), ", ",
-             shape_str(v.sizes()));
-  ROPE_CHECK(ValueError, v.size(1) == Hk, "v must have the heads of k (", Hk, "), got shape ",
-             shape_str(v.sizes()));
-  ROPE_CHECK(TypeError, dtype_of(v) == dtype_of(q), "v must have the dtype of q (", dtype_of(q),
+  check_3d(k, n.k, "[T, Hk, D]");
+  check_3d(v, n.v, "[T, Hk, Dv]");
+  const int64_t T = q.size(0), Hk = k.size(1), Dv = v.size(2);
+  ROPE_CHECK(ValueError, Dv <= rope::kMaxHeadDim, n.v, ".shape[-1] must be at most ",
+             rope::kMaxHeadDim, ", got ", Dv);
+  ROPE_CHECK(ValueError, k.size(0) == T && v.size(0) == T, "q, ", n.k, " and ", n.v,
+             " must have the same tokens T (dim 0), got shapes ", shape_str(q.sizes()), ", ",
+             shape_str(k.sizes()), ", ", shape_str(v.sizes()));
+  ROPE_CHECK(ValueError, v.size(1) == Hk, n.v, " must have the heads of ", n.k, " (", Hk,
+             "), got shape ", shape_str(v.sizes()));
+  ROPE_CHECK(TypeError, dtype_of(v) == dtype_of(q), n.v, " must have the dtype of q (", dtype_of(q),
              "), got ", dtype_of(v));
-  ROPE_CHECK(ValueError, same_device(v, q), "v must be on the device of q (", device_str(q),
+  ROPE_CHECK(ValueError, same_device(v, q), n.v, " must be on the device of q (", device_str(q),
              "), got ", device_str(v));
 
   const rope::Fp8 q_fp8 = qo ? fp8_of(dtype_of(*qo)) : rope::Fp8::kNone;
@@ -98,15 +107,18 @@ rope::CacheParams make_cache_params(
                shape_str(q.sizes()), "), got ", shape_str(qo->sizes()));
     ROPE_CHECK(ValueError, same_device(*qo, q), "q_out must be on the device of q (", device_str(q),
                "), got ", device_str(*qo));
-    ROPE_CHECK(ValueError, D <= 1 || qo->stride(2) == 1,
+    ROPE_CHECK(ValueError, q.size(2) <= 1 || qo->stride(2) == 1,
                "q_out must have a contiguous last dim (stride 1), got strides ",
                shape_str(qo->strides()));
   }
   const bool q_direct = qo && q_fp8 == rope::Fp8::kNone;
   rope::CacheParams cp{};
   cp.rope = make_params(q, q_direct ? *qo : q, &k, &k, positions, cos_sin, interleaved, false,
-                        rotary_offset, mrope_section, mrope_interleaved, "q", true);
+                        rotary_offset, mrope_section, mrope_interleaved, "q", true, n.k, mla);
   check_tokens(cp.rope, T);
+  cp.k_dim = mla ? cp.rope.rotary_dim : cp.rope.head_dim;
+  cp.k_rot_offset = mla ? 0 : cp.rope.rot_offset;
+  const int64_t Dk = cp.k_dim;
   const float* qs = scale_ptr(q_scale, "q_scale", q);
   if (q_fp8 != rope::Fp8::kNone) {
     cp.q_fp8 = q_fp8;
@@ -120,7 +132,7 @@ rope::CacheParams make_cache_params(
              layout, "'");
   const bool nhd = layout == "NHD";
   for (const auto& [c, name] :
-       {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
+       {std::pair{&key_cache, n.key_cache}, {&value_cache, n.value_cache}}) {
     ROPE_CHECK(TypeError, c->defined(), name, " must be a tensor, got None");
     ROPE_CHECK(ValueError, c->dim() == 4, name, " must be 4-d ",
                nhd ? "[num_blocks, block_size, Hk, dim]" : "[num_blocks, Hk, block_size, dim]",
@@ -133,21 +145,21 @@ rope::CacheParams make_cache_params(
   }
   const ScalarType cache_dtype = dtype_of(key_cache);
   cp.cache_fp8 = fp8_of(cache_dtype);
-  ROPE_CHECK(TypeError, cache_dtype == dtype_of(q) || cp.cache_fp8 != rope::Fp8::kNone,
-             "key_cache must have the dtype of q (", dtype_of(q),
+  ROPE_CHECK(TypeError, cache_dtype == dtype_of(q) || cp.cache_fp8 != rope::Fp8::kNone, n.key_cache,
+             " must have the dtype of q (", dtype_of(q),
              ") or be float8_e4m3fn / float8_e5m2, got ", cache_dtype);
-  ROPE_CHECK(TypeError, dtype_of(value_cache) == cache_dtype,
-             "value_cache must have the dtype of key_cache (", cache_dtype, "), got ",
+  ROPE_CHECK(TypeError, dtype_of(value_cache) == cache_dtype, n.value_cache,
+             " must have the dtype of ", n.key_cache, " (", cache_dtype, "), got ",
              dtype_of(value_cache));
   const int64_t NB = key_cache.size(0), BS = key_cache.size(nhd ? 1 : 2);
-  const int64_t want_k[4] = {NB, nhd ? BS : Hk, nhd ? Hk : BS, D};
+  const int64_t want_k[4] = {NB, nhd ? BS : Hk, nhd ? Hk : BS, Dk};
   const int64_t want_v[4] = {NB, nhd ? BS : Hk, nhd ? Hk : BS, Dv};
-  ROPE_CHECK(ValueError, key_cache.sizes().equals(want_k), "key_cache must have shape ",
-             shape_str(want_k), " for k of shape ", shape_str(k.sizes()), " (layout='", layout,
-             "'), got ", shape_str(key_cache.sizes()));
-  ROPE_CHECK(ValueError, value_cache.sizes().equals(want_v), "value_cache must have shape ",
-             shape_str(want_v), " for v of shape ", shape_str(v.sizes()), " (layout='", layout,
-             "'), got ", shape_str(value_cache.sizes()));
+  ROPE_CHECK(ValueError, key_cache.sizes().equals(want_k), n.key_cache, " must have shape ",
+             shape_str(want_k), " for ", n.k, " of shape ", shape_str(k.sizes()), " (layout='",
+             layout, "'), got ", shape_str(key_cache.sizes()));
+  ROPE_CHECK(ValueError, value_cache.sizes().equals(want_v), n.value_cache, " must have shape ",
+             shape_str(want_v), " for ", n.v, " of shape ", shape_str(v.sizes()), " (layout='",
+             layout, "'), got ", shape_str(value_cache.sizes()));
   auto paged = [&](const Arg& c, const float* scale) {
     rope::PagedCache pc{};
     pc.data = c.data_ptr();
@@ -158,8 +170,8 @@ rope::CacheParams make_cache_params(
     return pc;
   };
   const bool fp8 = cp.cache_fp8 != rope::Fp8::kNone;
-  const float* ks = scale_ptr(k_scale, "k_scale", q);
-  const float* vs = scale_ptr(v_scale, "v_scale", q);
+  const float* ks = scale_ptr(k_scale, n.k_scale, q);
+  const float* vs = scale_ptr(v_scale, n.v_scale, q);
   cp.key_cache = paged(key_cache, fp8 ? ks : nullptr);
   cp.value_cache = paged(value_cache, fp8 ? vs : nullptr);
   cp.block_size = BS;
@@ -190,19 +202,19 @@ rope::CacheParams make_cache_params(
   const Layout& lqo = qo ? qo->layout() : lq;
   const char* q_target = qo ? "q_out" : "q";
   check_no_self_overlap(lqo, q_target);
-  check_no_self_overlap(lk, "k");
-  check_no_self_overlap(lkc, "key_cache");
-  check_no_self_overlap(lvc, "value_cache");
-  check_disjoint(lqo, q_target, lk, "k");
-  check_disjoint(lqo, q_target, lv, "v");
+  check_no_self_overlap(lk, n.k);
+  check_no_self_overlap(lkc, n.key_cache);
+  check_no_self_overlap(lvc, n.value_cache);
+  check_disjoint(lqo, q_target, lk, n.k);
+  check_disjoint(lqo, q_target, lv, n.v);
   if (qo) {
     check_disjoint(lqo, "q_out", lq, "q");
-    check_disjoint(lq, "q", lk, "k");  // q is read while k is rotated in place
+    check_disjoint(lq, "q", lk, n.k);  // q is read while k is rotated in place
   }
-  check_disjoint(lk, "k", lv, "v");
-  check_disjoint(lkc, "key_cache", lvc, "value_cache");
-  for (const auto& [c, cn] : {std::pair{&lkc, "key_cache"}, {&lvc, "value_cache"}})
-    for (const auto& [x, xn] : {std::pair{&lq, "q"}, {&lk, "k"}, {&lv, "v"}})
+  check_disjoint(lk, n.k, lv, n.v);
+  check_disjoint(lkc, n.key_cache, lvc, n.value_cache);
+  for (const auto& [c, cn] : {std::pair{&lkc, n.key_cache}, {&lvc, n.value_cache}})
+    for (const auto& [x, xn] : {std::pair{&lq, "q"}, {&lk, n.k}, {&lv, n.v}})
       check_disjoint(*c, cn, *x, xn);
   // Nor may it hold the positions, the table, the slots or a scale, which every thread reads.
   const Layout none;
@@ -210,15 +222,83 @@ rope::CacheParams make_cache_params(
   const Layout lks = ks ? Layout(*k_scale) : none, lvs = vs ? Layout(*v_scale) : none;
   const Layout lqs = qs ? Layout(*q_scale) : none;
   for (const auto& [w, wn] :
-       {std::pair{&lqo, q_target}, {&lk, "k"}, {&lkc, "key_cache"}, {&lvc, "value_cache"}})
+       {std::pair{&lqo, q_target}, {&lk, n.k}, {&lkc, n.key_cache}, {&lvc, n.value_cache}})
     for (const auto& [r, rn] : {std::pair{&lpos, "positions"},
                                 {&lcs, "cos_sin"},
                                 {&lslots, "slot_mapping"},
-                                {&lks, "k_scale"},
-                                {&lvs, "v_scale"},
+                                {&lks, n.k_scale},
+                                {&lvs, n.v_scale},
                                 {&lqs, "q_scale"}})
       check_disjoint(*w, wn, *r, rn);
   return cp;
+}
+
+}  // namespace
+
+rope::CacheParams make_cache_params(
+    const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& positions,
+    const Tensor& cos_sin, const Tensor& key_cache_t, const Tensor& value_cache_t,
+    const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
+    const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
+    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
+  const Arg q(q_t), k(k_t), v(v_t), key_cache(key_cache_t), value_cache(value_cache_t);
+  std::optional<Arg> q_out_arg;
+  if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
+  return cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
+                      v_scale, q_out_arg ? &*q_out_arg : nullptr, q_scale, interleaved, layout,
+                      rotary_offset, mrope_section, mrope_interleaved, false);
+}
+
+rope::CacheParams make_mla_cache_params(
+    const Tensor& q_t, const Tensor& kv_c_t, const Tensor& k_pe_t, const Tensor& positions,
+    const Tensor& cos_sin, const Tensor& kv_cache_t, const Tensor& slot_mapping,
+    const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
+    const std::optional<Tensor>& q_scale, bool interleaved, int64_t rotary_offset) {
+  const Arg q(q_t), kv_c(kv_c_t), k_pe(k_pe_t), kv_cache(kv_cache_t);
+  for (const auto& [x, name] : {std::pair{&q, "q"}, {&kv_c, "kv_c"}, {&k_pe, "k_pe"}})
+    ROPE_CHECK(TypeError, x->defined(), name, " must be a tensor, got None");
+  ROPE_CHECK(TypeError, kv_cache.defined(), "kv_cache must be a tensor, got None");
+  check_3d(q, "q", "[T, H, D] (D = nope + rope features)");
+  ROPE_CHECK(ValueError, kv_c.dim() == 2, "kv_c must be [T, kv_lora_rank], got shape ",
+             shape_str(kv_c.sizes()));
+  ROPE_CHECK(ValueError, k_pe.dim() == 2 || (k_pe.dim() == 3 && k_pe.size(1) == 1),
+             "k_pe must be [T, rotary_dim] or [T, 1, rotary_dim], got shape ",
+             shape_str(k_pe.sizes()));
+  const int64_t T = q.size(0), L = kv_c.size(1), R = k_pe.size(k_pe.dim() - 1);
+  ROPE_CHECK(ValueError, kv_c.size(0) == T && k_pe.size(0) == T,
+             "q, kv_c and k_pe must have the same tokens T (dim 0), got shapes ",
+             shape_str(q.sizes()), ", ", shape_str(kv_c.sizes()), ", ", shape_str(k_pe.sizes()));
+  ROPE_CHECK(ValueError, L <= 1 || kv_c.stride(1) == 1,
+             "kv_c must have a contiguous last dim (stride 1), got strides ",
+             shape_str(kv_c.strides()));
+  ROPE_CHECK(ValueError, R <= 1 || k_pe.stride(k_pe.dim() - 1) == 1,
+             "k_pe must have a contiguous last dim (stride 1), got strides ",
+             shape_str(k_pe.strides()));
+  ROPE_CHECK(ValueError, kv_cache.dim() == 3,
+             "kv_cache must be [num_blocks, block_size, kv_lora_rank + rotary_dim], got shape ",
+             shape_str(kv_cache.sizes()));
+  ROPE_CHECK(ValueError, kv_cache.size(2) == L + R,
+             "kv_cache.shape[-1] must be kv_lora_rank + rotary_dim = ", L, " + ", R, " = ", L + R,
+             " (kv_c.shape[-1] + k_pe.shape[-1]), got ", kv_cache.size(2));
+  ROPE_CHECK(ValueError, kv_cache.size(2) <= 1 || kv_cache.stride(2) == 1,
+             "kv_cache must have a contiguous last dim (stride 1), got strides ",
+             shape_str(kv_cache.strides()));
+  // k and v of the cache write: k_pe and kv_c as one head each; the caches: kv_cache's columns
+  // [L, L + R) and [0, L), one head each.
+  const int64_t k_sizes[3] = {T, 1, R}, k_strides[3] = {k_pe.stride(0), R, 1};
+  const int64_t v_sizes[3] = {T, 1, L}, v_strides[3] = {kv_c.stride(0), L, 1};
+  const int64_t NB = kv_cache.size(0), BS = kv_cache.size(1);
+  const int64_t kc_sizes[4] = {NB, BS, 1, R}, vc_sizes[4] = {NB, BS, 1, L};
+  const int64_t c_strides[4] = {kv_cache.stride(0), kv_cache.stride(1), L + R, 1};
+  const Arg k(k_pe, k_sizes, k_strides, 0), v(kv_c, v_sizes, v_strides, 0);
+  const Arg key_cache(kv_cache, kc_sizes, c_strides, L),
+      value_cache(kv_cache, vc_sizes, c_strides, 0);
+  std::optional<Arg> q_out_arg;
+  if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
+  return cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, kv_scale,
+                      kv_scale, q_out_arg ? &*q_out_arg : nullptr, q_scale, interleaved, "NHD",
+                      rotary_offset, std::nullopt, false, true);
 }
 
 int64_t first_bad_slot(const rope::CacheParams& cp, int64_t* value) {
@@ -253,19 +333,12 @@ bool duplicate_slot(const rope::CacheParams& cp, int64_t* slot, int64_t* first, 
   return false;
 }
 
-void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
-                      const Tensor& positions, const Tensor& cos_sin, const Tensor& key_cache,
-                      const Tensor& value_cache, const Tensor& slot_mapping,
-                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
-                      const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
-                      bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved) {
-  const auto cp = make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache,
-                                    slot_mapping, k_scale, v_scale, q_out, q_scale, interleaved,
-                                    layout, rotary_offset, mrope_section, mrope_interleaved);
+namespace {
+
+// A cache write's positions and slots checked (a backend that reads host memory), then its launch.
+void run_cache(const rope::CacheParams& cp, const Tensor& q, const Backend& backend) {
   if (cp.rope.n_tokens == 0 || q.size(0) == 0) return;
   if (backend.check_positions) {
-    // A backend that reads host memory checks positions and slots before any write.
     backend.check_positions(cp.rope);
     int64_t value = 0;
     const int64_t t = first_bad_slot(cp, &value);
@@ -278,6 +351,32 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
                "); each token's k and v need a slot of their own");
   }
   backend.launch_cache(cp, q);
+}
+
+}  // namespace
+
+void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& positions, const Tensor& cos_sin, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                      const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
+                      bool interleaved, const std::string& layout, int64_t rotary_offset,
+                      const Sections& mrope_section, bool mrope_interleaved) {
+  run_cache(make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
+                              k_scale, v_scale, q_out, q_scale, interleaved, layout, rotary_offset,
+                              mrope_section, mrope_interleaved),
+            q, backend);
+}
+
+void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv_c,
+                       const Tensor& k_pe, const Tensor& positions, const Tensor& cos_sin,
+                       const Tensor& kv_cache, const Tensor& slot_mapping,
+                       const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
+                       const std::optional<Tensor>& q_scale, bool interleaved,
+                       int64_t rotary_offset) {
+  run_cache(make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping,
+                                  kv_scale, q_out, q_scale, interleaved, rotary_offset),
+            q, backend);
 }
 
 rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,

@@ -126,8 +126,19 @@ struct PagedCache {
 // Hk, D] are rotated as rope (t[0] = q, t[1] = k in place; q may go to a
 // separate output of its dtype), then rotated k and v [T, Hk, Dv] are stored
 // in the caches at slot_mapping[t] for t < n_slots, slot >= 0.
+//
+// The MLA cache write (rope_ext::mla_rotary_cache_) is the same op on views:
+// k is k_pe [T, 1, rotary_dim], rotated whole (k_dim = rotary_dim,
+// k_rot_offset = 0, while q rotates at rope.rot_offset), v is the latent
+// kv_c [T, 1, kv_lora_rank], and the two caches are the two column ranges of
+// one cache [blocks, block_size, kv_lora_rank + rotary_dim].
 struct CacheParams {
   RopeParams rope;  // n_tensors == 2; one token dim (or none for T <= 1)
+  // k's features: [0, k_dim), rotated at [k_rot_offset, k_rot_offset +
+  // rotary_dim), the rest passed through to the key cache. For q and k of
+  // one head size: rope.head_dim and rope.rot_offset.
+  int k_dim;
+  int k_rot_offset;
   // q_out in fp8 (q_fp8 != kNone): q is read only and its rotation, rounded to
   // q's dtype then quantized with q_scale, goes to q8 [T, Hq, D].
   Fp8 q_fp8;

@@ -8,6 +8,27 @@
 
 namespace rope_ext {
 
+namespace {
+
+// The cache kernel's body over its grid for a GPU with num_sms SMs. Returns [grid_x, grid_y,
+// block_x, block_y, vectorized].
+std::vector<int64_t> emulate(const rope::CacheParams& cp, int64_t n_q_tokens, int64_t num_sms,
+                             bool force_scalar) {
+  const auto l = rope::gpu::plan_cache_launch(cp, num_sms, force_scalar);
+  const auto& g = l.grid;
+  if (n_q_tokens > 0 && rope::gpu::cache_has_work(cp, l)) {
+    rope::gpu::dispatch_cuda(cp.rope, g.vectorized,
+                             [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
+                               run_grid(g, [&](const rope::gpu::Coord& c) {
+                                 rope::gpu::cache_thread<T, CS, Pos, IL, Vec>(cp, l, c);
+                               });
+                             });
+  }
+  return {g.grid_x, g.grid_y, g.block_x, g.block_y, g.vectorized ? 1 : 0};
+}
+
+}  // namespace
+
 std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor positions,
                                          Tensor cos_sin, Tensor key_cache, Tensor value_cache,
                                          Tensor slot_mapping, std::optional<Tensor> k_scale,
@@ -19,17 +40,17 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
   const auto cp = make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache,
                                     slot_mapping, k_scale, v_scale, q_out, q_scale, interleaved,
                                     layout, rotary_offset, mrope_section, mrope_interleaved);
-  const auto l = rope::gpu::plan_cache_launch(cp, num_sms, force_scalar);
-  const auto& g = l.grid;
-  if (q.size(0) > 0 && rope::gpu::cache_has_work(cp, l)) {
-    rope::gpu::dispatch_cuda(cp.rope, g.vectorized,
-                             [&]<class T, class CS, class Pos, bool IL, bool Vec>() {
-                               run_grid(g, [&](const rope::gpu::Coord& c) {
-                                 rope::gpu::cache_thread<T, CS, Pos, IL, Vec>(cp, l, c);
-                               });
-                             });
-  }
-  return {g.grid_x, g.grid_y, g.block_x, g.block_y, g.vectorized ? 1 : 0};
+  return emulate(cp, q.size(0), num_sms, force_scalar);
+}
+
+std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tensor positions,
+                                       Tensor cos_sin, Tensor kv_cache, Tensor slot_mapping,
+                                       std::optional<Tensor> kv_scale, std::optional<Tensor> q_out,
+                                       std::optional<Tensor> q_scale, bool interleaved,
+                                       int64_t rotary_offset, int64_t num_sms, bool force_scalar) {
+  const auto cp = make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping,
+                                        kv_scale, q_out, q_scale, interleaved, rotary_offset);
+  return emulate(cp, q.size(0), num_sms, force_scalar);
 }
 
 }  // namespace rope_ext

@@ -33,6 +33,14 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
                                          int64_t rotary_offset, Sections mrope_section,
                                          bool mrope_interleaved);
 
+// rope_ext::_cuda_emulated_mla: the CUDA body of mla_rotary_cache_, as
+// cuda_emulated_cache.
+std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tensor positions,
+                                       Tensor cos_sin, Tensor kv_cache, Tensor slot_mapping,
+                                       std::optional<Tensor> kv_scale, std::optional<Tensor> q_out,
+                                       std::optional<Tensor> q_scale, bool interleaved,
+                                       int64_t rotary_offset, int64_t num_sms, bool force_scalar);
+
 // rope_ext::_cuda_emulated_norm: the CUDA body of qk_norm_rotary, warp by warp. Returns
 // [grid_x, warps per block, vectorized, lanes per (token, head)].
 std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor k_out,

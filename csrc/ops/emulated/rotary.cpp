@@ -80,6 +80,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
       "Tensor? k_scale, Tensor? v_scale, Tensor(e!)? q_out, Tensor? q_scale, bool interleaved, "
       "str layout, int num_sms, bool force_scalar, int rotary_offset=0, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
+  // The CUDA body of mla_rotary_cache_ (same arguments, then num_sms and
+  // force_scalar) run on the CPU. Returns as _cuda_emulated_cache.
+  m.def(
+      "_cuda_emulated_mla(Tensor(a!) q, Tensor kv_c, Tensor(b!) k_pe, Tensor positions, "
+      "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale, "
+      "Tensor(d!)? q_out, Tensor? q_scale, bool interleaved, int rotary_offset, int num_sms, "
+      "bool force_scalar) -> int[]");
   // The CUDA body of qk_norm_rotary into q_out / k_out (which may be q / k).
   // Returns [grid_x, warps per block, vectorized, lanes per (token, head)].
   m.def(
@@ -92,5 +99,6 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("_cuda_emulated", TORCH_BOX(&rope_ext::cuda_emulated));
   m.impl("_cuda_emulated_cache", TORCH_BOX(&rope_ext::cuda_emulated_cache));
+  m.impl("_cuda_emulated_mla", TORCH_BOX(&rope_ext::cuda_emulated_mla));
   m.impl("_cuda_emulated_norm", TORCH_BOX(&rope_ext::cuda_emulated_norm));
 }

@@ -103,7 +103,7 @@ struct Fp8Tables {
       const bool fp8 = cp.cache_fp8 != Fp8::kNone;
       if (cp.q_fp8 != Fp8::kNone && n * p.t[0].n_heads * p.head_dim >= kTableMinValues)
         f.q = build<T>(0, scale_value(cp.q_scale), cp.q_fp8);
-      if (fp8 && n * cp.n_kv_heads * p.head_dim >= kTableMinValues)
+      if (fp8 && n * cp.n_kv_heads * cp.k_dim >= kTableMinValues)
         f.k = build<T>(1, scale_value(cp.key_cache.scale), cp.cache_fp8);
       if (fp8 && n * cp.n_kv_heads * cp.v_dim >= kTableMinValues)
         f.v = build<T>(2, scale_value(cp.value_cache.scale), cp.cache_fp8);
@@ -144,13 +144,25 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
   const RopeParams& p = cp.rope;
   const RopeParams r = slice_tokens(p, begin, end);
   const int64_t n = end - begin, hq = p.t[0].n_heads, D = p.head_dim;
-  if (cp.q_fp8 == Fp8::kNone) {
+  // k rotates apart from q when its features differ from q's (MLA's k_pe) or q goes to fp8.
+  const bool k_apart = cp.k_dim != p.head_dim || cp.k_rot_offset != p.rot_offset;
+  if (cp.q_fp8 == Fp8::kNone && !k_apart) {
     rotate_tokens(r, 0, n);
   } else {
     RopeParams rk = r;  // k in place
     rk.n_tensors = 1;
     rk.t[0] = r.t[1];
+    rk.head_dim = cp.k_dim;
+    rk.rot_offset = cp.k_rot_offset;
     rotate_tokens(rk, 0, n);
+  }
+  if (cp.q_fp8 == Fp8::kNone) {
+    if (k_apart) {
+      RopeParams rq = r;  // q alone
+      rq.n_tensors = 1;
+      rotate_tokens(rq, 0, n);
+    }
+  } else {
     // q: rotated into a row-major scratch of q's dtype, then quantized.
     thread_local std::vector<T> scratch;
     scratch.resize(size_t(n * hq * D));
@@ -179,7 +191,7 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
     const int64_t v_row = slot_offset(cp.value_cache, cp.block_size, slot);
     for (int64_t h = 0; h < cp.n_kv_heads; ++h) {
       const T* k = static_cast<const T*>(p.t[1].in) + row_offset(p, 1, token, h);
-      store_row(k, cp, cp.key_cache, k_row, h, D, k_scale, tables.k);
+      store_row(k, cp, cp.key_cache, k_row, h, cp.k_dim, k_scale, tables.k);
       const T* v = static_cast<const T*>(cp.v) + token * cp.v_tok_stride + h * cp.v_head_stride;
       store_row(v, cp, cp.value_cache, v_row, h, cp.v_dim, v_scale, tables.v);
     }

@@ -40,6 +40,7 @@ inline bool can_vectorize_cache(const CacheParams& cp) {
   p.t[1].copy_pass = true;  // k's pass-through features are read for the cache
   if (!can_vectorize(p)) return false;
   const int64_t V = 16 / dtype_size(p.x_dtype);
+  if (cp.k_rot_offset % V != 0 || (cp.k_dim - p.rotary_dim) % V != 0) return false;
   if (p.n_tokens == 0) return true;
   if (cp.v_dim % V != 0) return false;
   if (cp.n_kv_heads > 0 && cp.v_dim > 0) {
@@ -63,7 +64,9 @@ inline CacheLaunch plan_cache_launch(const CacheParams& cp, int64_t num_sms,
   const int64_t v = l.grid.vectorized ? 16 / dtype_size(p.x_dtype) : 1;
   const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
   l.grid.n_rot_units = (p.rotary_dim / 2) / ppu;
-  l.grid.n_pass_units = (p.head_dim - p.rotary_dim) / v;
+  // Pass-through units: as many as the tensor (q or k) with the most.
+  const int64_t pass = p.head_dim > cp.k_dim ? p.head_dim : cp.k_dim;
+  l.grid.n_pass_units = (pass - p.rotary_dim) / v;
   l.n_v_units = cp.v_dim / v;
   const int64_t qk_lanes = l.grid.n_rot_units + l.grid.n_pass_units;
   const int64_t lanes = qk_lanes > l.n_v_units ? qk_lanes : l.n_v_units;
@@ -160,10 +163,13 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
             to_q8 ? static_cast<uint8_t*>(cp.q8) + token * cp.q8_tok_stride + hh * cp.q8_head_stride
                   : nullptr;
         const bool to_cache = ti == 1 && slot >= 0;
+        // The tensor's rotated features start at r0 (q: rot_offset; k: k_rot_offset).
+        const int64_t r0 = ti ? cp.k_rot_offset : p.rot_offset;
         if (!rot) {
-          // Pass-through features: [0, rot_offset), then [rot_offset + rotary_dim, head_dim).
+          // Pass-through features: [0, r0), then [r0 + rotary_dim, the tensor's head size).
           const int64_t f = (lane - l.n_rot_units) * V;
-          const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
+          if (f >= (ti ? cp.k_dim : p.head_dim) - p.rotary_dim) continue;
+          const int64_t e = f < r0 ? f : f + p.rotary_dim;
           if (!(to_q8 || to_cache || p.t[ti].copy_pass)) continue;  // in place, nothing to store
           T x[V];
           load_n<Vectorized>(in + e, x);
@@ -176,7 +182,6 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
         }
         // The unit's cos/sin, read per head (from L1 after the first head): kept across heads, as
         // the rotary kernel does, they would not fit in the registers beside the cache's state.
-        const int64_t r0 = p.rot_offset;
         A cv[P], sv[P];
         unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
         if (Interleaved) {
