@@ -164,12 +164,12 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
                   : nullptr;
         const bool to_cache = ti == 1 && slot >= 0;
         // The tensor's rotated features start at r0 (q: rot_offset; k: k_rot_offset).
-        const int64_t r0 = ti ? cp.k_rot_offset : p.rot_offset;
+        const int r0 = ti ? cp.k_rot_offset : p.rot_offset;
         if (!rot) {
           // Pass-through features: [0, r0), then [r0 + rotary_dim, the tensor's head size).
-          const int64_t f = (lane - l.n_rot_units) * V;
+          const int f = int(lane - l.n_rot_units) * V;
           if (f >= (ti ? cp.k_dim : p.head_dim) - p.rotary_dim) continue;
-          const int64_t e = f < r0 ? f : f + p.rotary_dim;
+          const int e = f < r0 ? f : f + p.rotary_dim;
           if (!(to_q8 || to_cache || p.t[ti].copy_pass)) continue;  // in place, nothing to store
           T x[V];
           load_n<Vectorized>(in + e, x);
