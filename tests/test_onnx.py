@@ -190,6 +190,43 @@ def _cache(layout="NHD", fp8=False, **kw):
     return call
 
 
+def _mla_extra(fp8=False, q_out=False):
+    """An MLA cache [BLOCKS, BLOCK_SIZE, D + rd] of float32 (cast to fp8 in the graph where ``fp8``)."""
+
+    def extra(t):
+        g = torch.Generator().manual_seed(t + 11)
+        slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[: t - 1]
+        slots[1] = -1
+        out = {"kv_cache": torch.randn(BLOCKS, BLOCK_SIZE, D + 8, generator=g), "slot_mapping": slots}
+        if fp8:
+            out["kv_scale"] = torch.tensor([0.05])
+        if q_out:
+            out["q_out"] = torch.zeros(t, HQ, D)
+        if q_out and fp8:
+            out["q_scale"] = torch.tensor([0.02])
+        return out
+
+    return extra
+
+
+def _mla(fp8=False, **kw):
+    """q's last 8 features rotated (rotary_offset = D - 8, DeepSeek's nope + rope); k_pe and kv_c views of
+    k (k_pe: head 0's first 8 features, rotated in place; kv_c: head 1)."""
+
+    def call(q, k, p, cs, kv_cache, slot_mapping, q_out=None, **scales):
+        if fp8:
+            kv_cache = kv_cache.to(FP8)
+            q_out = None if q_out is None else q_out.to(FP8)
+        k_pe, kv_c = k[:, 0, :8], k[:, 1]
+        rope_ext.apply_mla_rotary_and_cache_(
+            q, kv_c, k_pe, p, cs, kv_cache, slot_mapping, rotary_offset=D - 8, q_out=q_out, **scales, **kw
+        )
+        written = (kv_cache,) + (() if q_out is None else (q_out,))
+        return (q, k) + tuple(t.float() for t in written)
+
+    return call
+
+
 CASES = [
     Case("rotary", _rotary()),
     Case("rotary-interleaved-partial", _rotary(interleaved=True), rd=8),
@@ -217,6 +254,9 @@ CASES = [
     Case("rotary_qk_cache_-fp8-q_out", _cache(fp8=True), flat=True, extra=_cache_extra(fp8=True, q_out=True)),
     Case("rotary_qk_cache_-2-axes", _cache(mrope_section=(5, 3)), axes=2, flat=True, rotary_embedding=0,
          extra=_cache_extra()),
+    Case("mla_rotary_cache_", _mla(), rd=8, flat=True, extra=_mla_extra()),
+    Case("mla_rotary_cache_-interleaved-fp8-q_out", _mla(fp8=True, interleaved=True), rd=8, flat=True,
+         extra=_mla_extra(fp8=True, q_out=True)),
 ]  # fmt: skip
 
 

@@ -19,6 +19,8 @@ What each op becomes:
   activation dtype, then the rotation;
 * ``rotary_qk_cache_``: the rotation, then NonZero/Gather of the tokens with a slot and ScatterND into the
   caches (NHD and HND; fp8 caches: Div by the scale, Clip, a saturating Cast, scattered through float32);
+* ``mla_rotary_cache_``: the rotations of q and k_pe, then kv_c and the rotated k_pe concatenated and
+  scattered into the latent cache as above;
 * in-place ops export as their functional form: what they write flows on in the graph (a written model
   input, such as a KV cache passed in, is an output only if ``forward`` returns it).
 

@@ -20,12 +20,12 @@ import torch
 from onnxscript import opset18 as op
 
 from .. import fakes as _fakes  # noqa: F401  (the fake kernels of the rope_ext ops)
-from ..specs import CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+from ..specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
 from ._graph import ExportError, cache_write, quantize, rms_norm, rotate, static_dim
 
 __all__ = ["TWINS", "functionalize", "translations"]
 
-_INPLACE = (ROTARY_QK_, CACHE, QK_NORM_, QK_NORM_PACKED_)
+_INPLACE = (ROTARY_QK_, CACHE, MLA_CACHE, QK_NORM_, QK_NORM_PACKED_)
 
 
 # The functional twins ------------------------------------------------------------------------------------
@@ -250,6 +250,22 @@ def _rotary_qk_cache_twin(*args, **kwargs):
     return op.Identity(a.q), k_rot, key_cache, value_cache, quantize(q_rot, q_scale, a.q_out.dtype)
 
 
+def _mla_rotary_cache_twin(*args, **kwargs):
+    a = MLA_CACHE.bind(args, kwargs)
+    name = "mla_rotary_cache_"
+    opts = {"interleaved": a.interleaved, "inverse": False}
+    q_rot = rotate(a.q, a.positions, a.cos_sin, op_name=name, rotary_offset=a.rotary_offset, **opts)
+    k_rot = rotate(a.k_pe, a.positions, a.cos_sin, op_name=name, **opts)
+    # the cache rows [T, kv_lora_rank + rotary_dim]: kv_c, then the rotated k_pe
+    rows = op.Concat(a.kv_c, op.Reshape(k_rot, [0, -1]), axis=-1)
+    fp8 = a.kv_cache.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
+    kv_cache = cache_write(rows, a.kv_cache, a.slot_mapping, a.kv_scale if fp8 else None, "NHD")
+    if a.q_out is None:
+        return q_rot, k_rot, kv_cache, _empty_like(a.q)
+    q_scale = a.q_scale if a.q_out.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2) else None
+    return op.Identity(a.q), k_rot, kv_cache, quantize(q_rot, q_scale, a.q_out.dtype)
+
+
 def translations() -> dict:
     """Every op the exported graph can hold (the functional ops and the twins) -> its translation."""
     twins = {name: twin for name, (_, twin) in TWINS.items()}
@@ -261,4 +277,5 @@ def translations() -> dict:
         twins["qk_norm_rotary_"]: _qk_norm_rotary_twin,
         twins["qk_norm_rotary_packed_"]: _qk_norm_rotary_packed_twin,
         twins["rotary_qk_cache_"]: _rotary_qk_cache_twin,
+        twins["mla_rotary_cache_"]: _mla_rotary_cache_twin,
     }
