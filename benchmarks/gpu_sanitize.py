@@ -9,6 +9,8 @@ initcheck. Each case calls a public op once or twice on CUDA tensors, covering e
   table in x's dtype, ``varlen_positions`` (with context parallelism) feeding a rotation;
 * ``apply_rotary_qk_and_cache_``: caches of q's dtype (NHD and HND), fp8 caches with scales, a q_out of q's
   dtype and fp8 q_out, packed q/k/v views, cache views, padding slots, MRoPE;
+* ``apply_mla_rotary_and_cache_``: latent caches of q's dtype and fp8, q_out of q's dtype and fp8, kv_c and
+  k_pe as views of one projection, shapes no vector access fits, a DeepSeek-V3 decode step;
 * ``apply_qk_norm_rotary`` (and its backward) and the packed in-place ``apply_qk_norm_rotary_``;
 
 each on float32, bfloat16, float16 and float64, on shapes the 16-byte vector path takes and on unaligned
@@ -202,6 +204,36 @@ def _cache_cases() -> None:
             CASES[f"cache-{dname}-{vname}"] = lambda x, dtype=dtype, kw=kw: _cache_call(x, dtype, **kw)
 
 
+def _mla_call(
+    x: Inputs, dtype, *, t=6, h=4, nope=32, r=32, rank=64, lead=0, cache_dtype=None, q_out=None, block_size=4,
+    interleaved=False,
+) -> list[torch.Tensor]:  # fmt: skip
+    q = x.randn(t, h, nope + r, dtype=dtype, lead=lead)
+    kv = x.randn(t, rank + r, dtype=dtype, lead=lead)  # kv_c and k_pe: views of one projection
+    kv_c, k_pe = kv[:, :rank], kv[:, rank:]
+    nb = -(-(t + 2) // block_size)
+    cache = x.cache((nb, block_size, rank + r), dtype if cache_dtype is None else cache_dtype)
+    qo = None if q_out is None else x.cache((t, h, nope + r), dtype if q_out == "same" else q_out)
+    rope_ext.apply_mla_rotary_and_cache_(
+        q, kv_c, k_pe, x.positions(t), x.table(r), cache, x.slots(t, nb * block_size), rotary_offset=nope,
+        interleaved=interleaved, kv_scale=x.scale(0.37), q_out=qo, q_scale=x.scale(0.61),
+    )  # fmt: skip
+    return [t_ for t_ in (q, k_pe, cache, qo) if t_ is not None]
+
+
+def _mla_cases() -> None:
+    variants = {
+        "vec": {},
+        "interleaved-e4m3-qout-e4m3": dict(interleaved=True, cache_dtype=E4M3, q_out=E4M3),
+        "qout-same": dict(q_out="same"),
+        "odd-e5m2": dict(nope=6, r=6, rank=10, lead=1, cache_dtype=E5M2, block_size=3),
+        "decode": dict(t=1, h=16, nope=128, r=64, rank=512, block_size=16),
+    }
+    for dname, dtype in DTYPES.items():
+        for vname, kw in variants.items():
+            CASES[f"mla-{dname}-{vname}"] = lambda x, dtype=dtype, kw=kw: _mla_call(x, dtype, **kw)
+
+
 def _norm_call(x: Inputs, dtype, *, t=5, heads=(4, 2, 2), d=64, r=64, off=0, lead=0, il=False, mrope=None):
     qkv = x.randn(t, sum(heads) * d, dtype=dtype, lead=lead, pad=lead)
     qw, kw = x.randn(d), x.randn(d, dtype=dtype)
@@ -242,6 +274,7 @@ def _norm_cases() -> None:
 
 _rotary_cases()
 _cache_cases()
+_mla_cases()
 _norm_cases()
 
 

@@ -154,7 +154,7 @@ def _tables():
     return {d: rope_ext.RopeCache(d, 500000.0, max_positions=P, device="cuda").cos_sin for d in (D, D // 2)}
 
 
-def _make(g, cache_dtype=None, layout="NHD", q8=False):
+def _make(g, cache_dtype=None, layout="NHD", q8=False, mla=False):
     t = dict(
         qkv=torch.randn(T, HQ + 2 * HK, D, device="cuda", generator=g).to(torch.bfloat16),
         pos=torch.randint(0, P, (T,), device="cuda", generator=g),
@@ -169,6 +169,8 @@ def _make(g, cache_dtype=None, layout="NHD", q8=False):
         t["scale"] = torch.rand(1, device="cuda", generator=g) + 0.25
     if q8:
         t["q8"] = torch.zeros(T, HQ, D, device="cuda").to(torch.float8_e5m2)
+    if mla:  # an fp8 MLA latent cache [NB, BS, D + D // 2]
+        t["mla"] = torch.randn(NB, BS, D + D // 2, device="cuda", generator=g).to(torch.float8_e4m3fn)
     return t
 
 
@@ -186,6 +188,16 @@ def _cache_fp8(t, cs):
         k_scale=sc, v_scale=sc, q_out=t["q8"], q_scale=sc, rotary_offset=D // 4,
     )  # fmt: skip
     return [t["qkv"], t["kc"], t["vc"], t["q8"]]
+
+
+def _mla(t, cs):
+    # q heads rotated at their last D // 2 features; kv_c and k_pe: one k and one v head of qkv
+    q, k, v = _split(t["qkv"])
+    rope_ext.apply_mla_rotary_and_cache_(
+        q, v[:, 0], k[:, 0, : D // 2], t["pos"], cs[D // 2], t["mla"], t["slots"], rotary_offset=D // 2,
+        interleaved=True, kv_scale=t["scale"],
+    )  # fmt: skip
+    return [t["qkv"], t["mla"]]
 
 
 def _qk_norm(t, cs):
@@ -208,6 +220,7 @@ def _rotary_qk(t, cs):
 CAPTURED = {  # op: (make's options, call)
     "cache-bf16": (dict(cache_dtype=torch.bfloat16), _cache_bf16),
     "cache-fp8": (dict(cache_dtype=torch.float8_e4m3fn, layout="HND", q8=True), _cache_fp8),
+    "mla-fp8": (dict(cache_dtype=torch.bfloat16, mla=True), _mla),
     "qk-norm": ({}, _qk_norm),
     "qk-norm-packed": ({}, _qk_norm_packed),
     "rotary-qk-inplace": ({}, _rotary_qk),
