@@ -68,7 +68,12 @@ def extensions():
         link = sanitize
     macros = [("ROPE_EXT_PYTHON_MODULE", None), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     common = dict(define_macros=macros, py_limited_api=True, extra_link_args=link)
-    binding = ["csrc/ops/binding.cpp", "csrc/ops/layout.cpp", "csrc/ops/serving_binding.cpp"]
+    binding = [
+        "csrc/ops/binding.cpp",
+        "csrc/ops/layout.cpp",
+        "csrc/ops/serving_binding.cpp",
+        "csrc/ops/rerotate_binding.cpp",
+    ]
     exts = [
         cpp_extension.CppExtension(
             "rope_ext._C",

@@ -27,6 +27,9 @@ struct Backend {
   void (*launch_cache)(const rope::CacheParams& p, const Tensor& q);
   // QK-RMSNorm + rotary of every token of p.
   void (*launch_norm)(const rope::NormParams& p, const Tensor& q);
+  // Re-rotation of the cached keys of every token of p (slots and deltas
+  // checked when check_positions is set).
+  void (*launch_rerotate)(const rope::RerotateParams& p, const Tensor& key_cache);
 };
 
 // rope_ext::rotary
@@ -61,6 +64,17 @@ void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv
                        const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
                        const std::optional<Tensor>& q_scale, bool interleaved,
                        int64_t rotary_offset);
+
+// rope_ext::rerotate_kv_cache_: its checks and kernel parameters
+// (rerotate_binding.cpp), and the op.
+rope::RerotateParams make_rerotate_params(const Tensor& key_cache, const Tensor& slot_mapping,
+                                          const Tensor& delta, const Tensor& cos_sin,
+                                          const std::optional<Tensor>& k_scale, bool interleaved,
+                                          const std::string& layout, int64_t rotary_offset);
+void rerotate_kv_cache_(const Backend& backend, const Tensor& key_cache, const Tensor& slot_mapping,
+                        const Tensor& delta, const Tensor& cos_sin,
+                        const std::optional<Tensor>& k_scale, bool interleaved,
+                        const std::string& layout, int64_t rotary_offset);
 
 // rope_ext::qk_norm_rotary_ (in place) and rope_ext::qk_norm_rotary
 void qk_norm_rotary_(const Backend& backend, const Tensor& q, const Tensor& k,
@@ -138,6 +152,7 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   impl<&rotary_qk_, B>(m, "rotary_qk_");
   impl<&rotary_qk_cache_, B>(m, "rotary_qk_cache_");
   impl<&mla_rotary_cache_, B>(m, "mla_rotary_cache_");
+  impl<&rerotate_kv_cache_, B>(m, "rerotate_kv_cache_");
   impl<&qk_norm_rotary_, B>(m, "qk_norm_rotary_");
   impl<&qk_norm_rotary, B>(m, "qk_norm_rotary");
   impl<&qk_norm_rotary_packed_, B>(m, "qk_norm_rotary_packed_");
@@ -146,6 +161,17 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   impl<&rotary_qk_cache_scaled, B>(m, "rotary_qk_cache_.scaled");
   impl<&qk_norm_rotary_packed_plain, B>(m, "qk_norm_rotary_packed_.plain");
 }
+
+// Shared checks of the serving ops (serving_binding.cpp). The fp8 storage of
+// dtype t, or kNone. A one-element float32 scale on x's device (named x_name),
+// null when absent. ValueError when t has elements that overlap (it is
+// written in place). Slots -1 or in [0, n_cache_slots) (std::out_of_range)
+// and distinct (ValueError ending with `what`).
+rope::Fp8 fp8_of(torch::headeronly::ScalarType t);
+const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Arg& x,
+                       const char* x_name = "q");
+void check_no_self_overlap(const Layout& t, const char* name);
+void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what);
 
 // Checks the arguments of the serving ops and returns their kernel parameters
 // (no data touched). q_out / k_out of make_norm_params may be q / k. The MLA

@@ -81,7 +81,16 @@ void launch_norm_cpu(const rope::NormParams& p, const Tensor&) {
               [&](int64_t begin, int64_t end) { rope::cpu::norm_rotate_tokens(p, begin, end); });
 }
 
-constexpr Backend kCpu{check_positions_cpu, launch_cpu, launch_cache_cpu, launch_norm_cpu};
+// The re-rotation splits by the bytes of its cache rows' rotated features (read and written).
+void launch_rerotate_cpu(const rope::RerotateParams& p, const Tensor&) {
+  const int64_t es = p.fp8 != rope::Fp8::kNone ? 1 : rope::dtype_size(p.rope.x_dtype);
+  const int64_t per_token = 2 * es * p.rope.t[0].n_heads * p.rope.rotary_dim;
+  over_tokens(p.rope.n_tokens, per_token,
+              [&](int64_t begin, int64_t end) { rope::cpu::rerotate_tokens(p, begin, end); });
+}
+
+constexpr Backend kCpu{check_positions_cpu, launch_cpu, launch_cache_cpu, launch_norm_cpu,
+                       launch_rerotate_cpu};
 
 std::string cpu_isa() { return rope::cpu::isa(); }
 bool cpu_isa_supported(std::string name) { return rope::cpu::isa_supported(name.c_str()); }

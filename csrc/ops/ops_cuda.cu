@@ -52,7 +52,8 @@ void on_device(const Params& p, const Tensor& q) {
 // rope_ext.set_position_checks(True) makes the Python API raise instead.
 constexpr Backend kCuda{nullptr, on_device<rope::RopeParams, rope::gpu::launch>,
                         on_device<rope::CacheParams, rope::gpu::launch_cache>,
-                        on_device<rope::NormParams, rope::gpu::launch_norm>};
+                        on_device<rope::NormParams, rope::gpu::launch_norm>,
+                        on_device<rope::RerotateParams, rope::gpu::launch_rerotate>};
 
 }  // namespace
 }  // namespace rope_ext

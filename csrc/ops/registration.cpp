@@ -58,6 +58,16 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale=None, "
       "Tensor(d!)? q_out=None, Tensor? q_scale=None, bool interleaved=False, "
       "int rotary_offset=0) -> ()");
+  // Re-rotation of cached keys: every head of the key stored at slot
+  // slot_mapping[t] of key_cache ("NHD" [blocks, block_size, Hk, D] or "HND"
+  // [blocks, Hk, block_size, D], a float dtype or fp8 with k_scale) rotated in
+  // place by delta[t] positions (delta [T], or one element for all; negative:
+  // the inverse rotation), features [rotary_offset, rotary_offset +
+  // rotary_dim). Slot -1 skips the token.
+  m.def(
+      "rerotate_kv_cache_(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+      "Tensor cos_sin, Tensor? k_scale=None, bool interleaved=False, str layout=\"NHD\", "
+      "int rotary_offset=0) -> ()");
   // QK-RMSNorm + rotary: each head of q [T, Hq, D] and k [T, Hk, D] RMS-
   // normalised over D (float32), scaled by weight + weight_offset, rounded to
   // the dtype, then rotated; in place, or into new tensors. positions as for

@@ -17,14 +17,13 @@ namespace rope_ext {
 
 using torch::headeronly::ScalarType;
 
-namespace {
-
-// The fp8 storage of a tensor of dtype t, or kNone.
 rope::Fp8 fp8_of(ScalarType t) {
   return t == ScalarType::Float8_e4m3fn ? rope::Fp8::kE4M3
          : t == ScalarType::Float8_e5m2 ? rope::Fp8::kE5M2
                                         : rope::Fp8::kNone;
 }
+
+namespace {
 
 // A [T, H, dim] tensor with a contiguous last dim.
 void check_3d(const Arg& x, const char* name, const char* shape) {
@@ -35,15 +34,17 @@ void check_3d(const Arg& x, const char* name, const char* shape) {
              " must have a contiguous last dim (stride 1), got strides ", shape_str(x.strides()));
 }
 
-// A one-element float32 scale on x's device (null when absent).
-const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Arg& x) {
+}  // namespace
+
+const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Arg& x,
+                       const char* x_name) {
   if (!s.has_value() || !s->defined()) return nullptr;
   ROPE_CHECK(TypeError, dtype_of(*s) == ScalarType::Float, name,
              " must be a float32 tensor of one element, got ", dtype_of(*s));
   ROPE_CHECK(ValueError, s->numel() == 1, name, " must have one element, got shape ",
              shape_str(s->sizes()));
-  ROPE_CHECK(ValueError, same_device(*s, x), name, " must be on the device of q (", device_str(x),
-             "), got ", device_str(*s));
+  ROPE_CHECK(ValueError, same_device(*s, x), name, " must be on the device of ", x_name, " (",
+             device_str(x), "), got ", device_str(*s));
   return static_cast<const float*>(s->data_ptr());
 }
 
@@ -52,6 +53,8 @@ void check_no_self_overlap(const Layout& t, const char* name) {
              " has elements that overlap in memory (expanded or stride-0 view, strides ",
              shape_str(t.stride), "); it is written in place");
 }
+
+namespace {
 
 // The rotation's tokens must be the T rows of q, one position each.
 void check_tokens(const rope::RopeParams& p, int64_t T) {
@@ -301,36 +304,28 @@ rope::CacheParams make_mla_cache_params(
                       rotary_offset, std::nullopt, false, true);
 }
 
-int64_t first_bad_slot(const rope::CacheParams& cp, int64_t* value) {
-  for (int64_t t = 0; t < cp.n_slots; ++t) {
-    const int64_t s = cp.slots[t];
-    if (s != -1 && (s < 0 || s >= cp.n_cache_slots)) {
-      *value = s;
-      return t;
-    }
+void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = slots[t];
+    ROPE_CHECK(std::out_of_range, s == -1 || (s >= 0 && s < n_cache_slots),
+               "slot_mapping must hold -1 or slots in [0, num_blocks * block_size) = [0, ",
+               n_cache_slots, "), got ", s, " for token ", t);
   }
-  return -1;
-}
-
-// Whether two tokens name one slot (-1 aside): their rows of the caches would be written twice, in
-// an order the GPU does not fix. Sets the slot and the two tokens.
-bool duplicate_slot(const rope::CacheParams& cp, int64_t* slot, int64_t* first, int64_t* second) {
+  // Two tokens that name one slot (-1 aside) would write its row twice, in an order the GPU does
+  // not fix.
   int64_t last = -1;
   bool increasing = true;  // the usual slot mapping: no sort needed
-  for (int64_t t = 0; t < cp.n_slots && increasing; ++t)
-    if (cp.slots[t] >= 0) increasing = cp.slots[t] > last, last = cp.slots[t];
-  if (increasing) return false;
+  for (int64_t t = 0; t < n && increasing; ++t)
+    if (slots[t] >= 0) increasing = slots[t] > last, last = slots[t];
+  if (increasing) return;
   std::vector<std::pair<int64_t, int64_t>> st;  // (slot, token)
-  st.reserve(size_t(cp.n_slots));
-  for (int64_t t = 0; t < cp.n_slots; ++t)
-    if (cp.slots[t] >= 0) st.emplace_back(cp.slots[t], t);
+  st.reserve(size_t(n));
+  for (int64_t t = 0; t < n; ++t)
+    if (slots[t] >= 0) st.emplace_back(slots[t], t);
   std::sort(st.begin(), st.end());
   for (size_t i = 1; i < st.size(); ++i)
-    if (st[i].first == st[i - 1].first) {
-      *slot = st[i].first, *first = st[i - 1].second, *second = st[i].second;
-      return true;
-    }
-  return false;
+    ROPE_CHECK(ValueError, st[i].first != st[i - 1].first, "slot_mapping holds slot ", st[i].first,
+               " twice (tokens ", st[i - 1].second, " and ", st[i].second, "); ", what);
 }
 
 namespace {
@@ -340,15 +335,8 @@ void run_cache(const rope::CacheParams& cp, const Tensor& q, const Backend& back
   if (cp.rope.n_tokens == 0 || q.size(0) == 0) return;
   if (backend.check_positions) {
     backend.check_positions(cp.rope);
-    int64_t value = 0;
-    const int64_t t = first_bad_slot(cp, &value);
-    ROPE_CHECK(std::out_of_range, t < 0,
-               "slot_mapping must hold -1 or slots in [0, num_blocks * block_size) = [0, ",
-               cp.n_cache_slots, "), got ", value, " for token ", t);
-    int64_t slot = 0, first = 0, second = 0;
-    ROPE_CHECK(ValueError, !duplicate_slot(cp, &slot, &first, &second), "slot_mapping holds slot ",
-               slot, " twice (tokens ", first, " and ", second,
-               "); each token's k and v need a slot of their own");
+    check_slots(cp.slots, cp.n_slots, cp.n_cache_slots,
+                "each token's k and v need a slot of their own");
   }
   backend.launch_cache(cp, q);
 }

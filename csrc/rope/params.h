@@ -157,6 +157,22 @@ struct CacheParams {
   int64_t n_slots;  // slot_mapping.numel() <= T
 };
 
+// Re-rotation of cached keys (rope_ext::rerotate_kv_cache_): every head of
+// the key stored at slot slots[t] rotated in place by delta[t] positions, its
+// features [rope.rot_offset, rope.rot_offset + rotary_dim): by the table row
+// |delta| (inversely when delta < 0). rope describes the rotation: t[0] is
+// the cache (in = out, the heads at cache.head_stride; a token's row is its
+// slot's), its positions are the deltas (pos_stride[0] 0: one for all).
+// An fp8 cache is dequantized (x * scale in float32), rotated in float32
+// (rope.x_dtype float32) and requantized with the same scale.
+struct RerotateParams {
+  RopeParams rope;  // n_tensors 1, one token dim, inverse false
+  PagedCache cache;
+  Fp8 fp8;
+  int64_t block_size, n_cache_slots;
+  const int64_t* slots;  // [rope.n_tokens]; -1: skipped
+};
+
 // QK-RMSNorm + rotary (rope_ext::qk_norm_rotary): each head of rope.t[0] (q)
 // and rope.t[1] (k) is RMS-normalised over head_dim in float32, scaled by
 // weight + weight_offset, rounded to the activation dtype, then rotated.

@@ -62,6 +62,31 @@ ROPE_HD uint8_t quantize_fp8(float x, float scale, Fp8 t) {
   return t == Fp8::kE4M3 ? float_to_e4m3(y) : float_to_e5m2(y);
 }
 
+// float8_e4m3fn / float8_e5m2 bits -> float (exact).
+ROPE_HD float fp8_to_float(uint8_t b, Fp8 t) {
+  const uint32_t sign = uint32_t(b & 0x80u) << 24;
+  if (t == Fp8::kE5M2) {
+    // the upper byte of a float16: exponent bias 15, 2 mantissa bits
+    const uint32_t e = (b >> 2) & 0x1fu, m = b & 0x3u;
+    if (e == 0x1f) return bits_to_float(sign | (m ? 0x7fc00000u : 0x7f800000u));
+    if (e == 0) return bits_to_float(sign) + (b & 0x80u ? -1.0f : 1.0f) * float(m) * 0x1p-16f;
+    return bits_to_float(sign | ((e + 112u) << 23) | (m << 21));
+  }
+  // e4m3fn: exponent bias 7, 3 mantissa bits, no infinities, 0x7f / 0xff NaN
+  const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
+  if (e == 0xf && m == 0x7) return bits_to_float(sign | 0x7fc00000u);
+  if (e == 0) return bits_to_float(sign) + (b & 0x80u ? -1.0f : 1.0f) * float(m) * 0x1p-9f;
+  return bits_to_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// The table row and direction of a shift by delta positions: |delta| (-1 when
+// no row of n_rows holds it), inverse when delta < 0.
+ROPE_HD int64_t shift_row(int64_t delta, int64_t n_rows, bool& inverse) {
+  inverse = delta < 0;
+  if (delta < -n_rows || delta >= n_rows) return -1;  // also INT64_MIN, whose |delta| overflows
+  return delta < 0 ? -delta : delta;
+}
+
 // Element offset of a slot's row in a paged cache (its head h starts
 // h * head_stride further); slot in [0, n_cache_slots). The one division of
 // a slot: kernels take it once per token, outside their loops over heads.

@@ -41,6 +41,14 @@ std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tenso
                                        std::optional<Tensor> q_scale, bool interleaved,
                                        int64_t rotary_offset, int64_t num_sms, bool force_scalar);
 
+// rope_ext::_cuda_emulated_rerotate: the CUDA body of rerotate_kv_cache_ (slots
+// outside the cache and shifts outside the table skipped, as on the GPU).
+std::vector<int64_t> cuda_emulated_rerotate(Tensor key_cache, Tensor slot_mapping, Tensor delta,
+                                            Tensor cos_sin, std::optional<Tensor> k_scale,
+                                            bool interleaved, std::string layout,
+                                            int64_t rotary_offset, int64_t num_sms,
+                                            bool force_scalar);
+
 // rope_ext::_cuda_emulated_norm: the CUDA body of qk_norm_rotary, warp by warp. Returns
 // [grid_x, warps per block, vectorized, lanes per (token, head)].
 std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor k_out,

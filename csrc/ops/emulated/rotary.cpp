@@ -87,6 +87,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
       "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale, "
       "Tensor(d!)? q_out, Tensor? q_scale, bool interleaved, int rotary_offset, int num_sms, "
       "bool force_scalar) -> int[]");
+  // The CUDA body of rerotate_kv_cache_ (same arguments, then num_sms and
+  // force_scalar) run on the CPU. Returns [grid_x, grid_y, block_x, block_y, vectorized].
+  m.def(
+      "_cuda_emulated_rerotate(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+      "Tensor cos_sin, Tensor? k_scale, bool interleaved, str layout, int rotary_offset, "
+      "int num_sms, bool force_scalar) -> int[]");
   // The CUDA body of qk_norm_rotary into q_out / k_out (which may be q / k).
   // Returns [grid_x, warps per block, vectorized, lanes per (token, head)].
   m.def(
@@ -99,6 +105,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("_cuda_emulated", TORCH_BOX(&rope_ext::cuda_emulated));
   m.impl("_cuda_emulated_cache", TORCH_BOX(&rope_ext::cuda_emulated_cache));
+  m.impl("_cuda_emulated_rerotate", TORCH_BOX(&rope_ext::cuda_emulated_rerotate));
   m.impl("_cuda_emulated_mla", TORCH_BOX(&rope_ext::cuda_emulated_mla));
   m.impl("_cuda_emulated_norm", TORCH_BOX(&rope_ext::cuda_emulated_norm));
 }

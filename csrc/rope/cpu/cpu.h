@@ -22,6 +22,12 @@ void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end);
 // ranges may run on different threads at once (distinct slots assumed).
 void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end);
 
+// Re-rotation of the cached keys of tokens [begin, end) of `rp`
+// (cpu/rerotate.cpp). Slots and deltas must have been checked (distinct
+// slots, |delta| in the table); distinct token ranges may run on different
+// threads at once.
+void rerotate_tokens(const RerotateParams& rp, int64_t begin, int64_t end);
+
 // QK-RMSNorm + rotary of tokens [begin, end) of `np` (cpu/kv_cache.cpp).
 void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end);
 

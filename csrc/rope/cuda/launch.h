@@ -30,6 +30,10 @@ cudaError_t launch(const RopeParams& p, int num_sms, cudaStream_t stream);
 // outside the cache is skipped (never written); the scales are read on the device.
 cudaError_t launch_cache(const CacheParams& p, int num_sms, cudaStream_t stream);
 
+// Re-rotation of cached keys (cuda/rerotate.cuh) in one launch. A slot outside
+// the cache, or a delta no table row holds, leaves that token's row unchanged.
+cudaError_t launch_rerotate(const RerotateParams& p, int num_sms, cudaStream_t stream);
+
 // QK-RMSNorm + rotary (cuda/serving.cuh: norm_phase1/2) in one launch.
 cudaError_t launch_norm(const NormParams& p, int num_sms, cudaStream_t stream);
 

@@ -326,6 +326,22 @@ inline bool has_work(const RopeParams& p, const Launch& l) {
   return p.n_tokens > 0 && heads > 0 && l.n_rot_units + l.n_pass_units > 0;
 }
 
+// cos and sin (sin negated when `inverse`) of pairs [j0, j0 + P) from row
+// `row` (in the cache) of the table.
+template <class CS, bool Vectorized, class A, int P>
+ROPE_HD void row_cos_sin(const RopeParams& p, int64_t row, int64_t j0, bool inverse, A (&cv)[P],
+                         A (&sv)[P]) {
+  const CS* r = static_cast<const CS*>(p.cos_sin) + row * p.cs_row_stride;
+  CS cr[P], sr[P];
+  load_n<Vectorized, CS, P, true>(r + j0, cr);
+  load_n<Vectorized, CS, P, true>(r + p.rotary_dim / 2 + j0, sr);
+  ROPE_UNROLL
+  for (int k = 0; k < P; ++k) {
+    cv[k] = A(to_acc(cr[k]));
+    sv[k] = inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
+  }
+}
+
 // cos and sin (sin negated when p.inverse) of pairs [j0, j0 + P) for the
 // token whose positions start at offset pos_off; NaN for a position outside
 // the cache (never read).
@@ -355,14 +371,7 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
   }
   const int64_t pos = position_at<Pos>(p, pos_off);
   if (position_in_cache(p, pos)) {
-    CS cr[P], sr[P];
-    load_n<Vectorized, CS, P, true>(cs + pos * p.cs_row_stride + j0, cr);
-    load_n<Vectorized, CS, P, true>(cs + pos * p.cs_row_stride + h + j0, sr);
-    ROPE_UNROLL
-    for (int k = 0; k < P; ++k) {
-      cv[k] = A(to_acc(cr[k]));
-      sv[k] = p.inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
-    }
+    row_cos_sin<CS, Vectorized>(p, pos, j0, p.inverse, cv, sv);
   } else {
     // Never read outside the cache: this token's rotated features are NaN.
     ROPE_UNROLL
