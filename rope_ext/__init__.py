@@ -11,6 +11,7 @@ from .serving import (
     apply_qk_norm_rotary,
     apply_qk_norm_rotary_,
     apply_rotary_qk_and_cache_,
+    rerotate_kv_cache_,
 )
 from .varlen import varlen_positions
 
@@ -20,6 +21,7 @@ __all__ = [
     "apply_rotary_qk_",
     "apply_rotary_qk_and_cache_",
     "apply_mla_rotary_and_cache_",
+    "rerotate_kv_cache_",
     "apply_qk_norm_rotary",
     "apply_qk_norm_rotary_",
     "set_position_checks",

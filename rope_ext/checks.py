@@ -151,6 +151,18 @@ def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
             )
 
 
+def _shifts_in_range(delta: Tensor, cos_sin: Tensor) -> None:
+    """As :func:`_positions_in_range`, for the shifts of ``rerotate_kv_cache_`` (``|delta|`` a table row)."""
+    if delta.numel() > 0 and not delta.is_floating_point() and _host_check(delta):
+        lo, hi = int(delta.min()), int(delta.max())
+        n = cos_sin.shape[0]
+        if lo <= -n or hi >= n:
+            bad = lo if lo <= -n else hi
+            raise IndexError(
+                f"delta must be in (-cos_sin.shape[0], cos_sin.shape[0]) = (-{n}, {n}), got {bad}"
+            )
+
+
 def _slots_in_range(slot_mapping: Tensor, n: int | None) -> None:
     """With position checks on (the caller tests it), eager CUDA calls check slots too; ``n``: the
     cache's slots (None when its shape is wrong, which the op reports)."""
@@ -246,6 +258,29 @@ def mla_args(a):
         c = a.kv_cache
         _slots_in_range(a.slot_mapping, c.shape[0] * c.shape[1] if c.dim() == 3 else None)
     return a
+
+
+def rerotate_args(a):
+    """``rerotate_kv_cache_`` (``delta`` a tensor already: :func:`shift_tensor`)."""
+    _require_offset(a.rotary_offset)
+    if not isinstance(a.layout, str):
+        raise TypeError(f"layout must be 'NHD' or 'HND', got {type(a.layout).__name__}")
+    _no_grad_wanted("rerotate_kv_cache_", key_cache=a.key_cache)
+    if position_checks.on_device:
+        c = a.key_cache
+        n = c.shape[0] * c.shape[1 if a.layout == "NHD" else 2] if c.dim() == 4 else None
+        _slots_in_range(a.slot_mapping, n)
+        _shifts_in_range(a.delta, a.cos_sin)
+    return a
+
+
+def shift_tensor(delta, key_cache):
+    """``rerotate_kv_cache_``'s delta: an int becomes a one-element int64 tensor on the cache's device."""
+    if type(delta) is not int:
+        return delta
+    if not -(2**63) <= delta < 2**63:
+        raise IndexError(f"delta must be in (-cos_sin.shape[0], cos_sin.shape[0]), got {delta}")
+    return torch.tensor([delta], device=key_cache.device if isinstance(key_cache, Tensor) else None)
 
 
 def qk_norm_args(a):

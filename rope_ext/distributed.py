@@ -25,7 +25,8 @@ The serving ops:
   scales replicated;
 * ``mla_rotary_cache_`` (the latent cache has no head dim): everything replicated, or q (and q_out)
   sharded on heads with kv_c, k_pe, the cache and the rest replicated (each rank writes the same rows
-  into its replica).
+  into its replica);
+* ``rerotate_kv_cache_``: the cache replicated or sharded on its head dim, the rest replicated.
 
 Anything else (the last dim sharded, ``Partial`` placements, q / k / positions sharded inconsistently)
 matches none of these, and DTensor redistributes the inputs to the cheapest one that does, so the result
@@ -43,7 +44,18 @@ from typing import Any
 
 import torch
 
-from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+from .specs import (
+    CACHE,
+    MLA_CACHE,
+    QK_NORM,
+    QK_NORM_,
+    QK_NORM_PACKED_,
+    REROTATE,
+    ROTARY,
+    ROTARY_QK,
+    ROTARY_QK_,
+    OpSpec,
+)
 
 __all__ = ["register_sharding_rules", "register_sharding_rules_on_import"]
 
@@ -238,6 +250,14 @@ def register_sharding_rules() -> bool:
             return {"q": x, **fixed, **scales, **q_out}
 
         return [([], inputs(R)), ([], inputs(Shard(1)))]
+
+    @rule(REROTATE)
+    def _rerotate_kv_cache(a):
+        # each head's rows rotate on their own: the cache may be sharded on its head dim
+        fixed = {n: R for n in ("slot_mapping", "delta", "cos_sin")}
+        scale = {} if a.k_scale is None else {"k_scale": R}
+        heads = Shard(2 if a.layout == "NHD" else 1)
+        return [([], {"key_cache": R, **fixed, **scale}), ([], {"key_cache": heads, **fixed, **scale})]
 
     _registered = True
     return True

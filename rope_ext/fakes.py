@@ -15,7 +15,18 @@ from torch import Tensor
 
 from .checks import FP8_DTYPES, MAX_AXES, split_qkv
 from .positions import positions_shape
-from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+from .specs import (
+    CACHE,
+    MLA_CACHE,
+    QK_NORM,
+    QK_NORM_,
+    QK_NORM_PACKED_,
+    REROTATE,
+    ROTARY,
+    ROTARY_QK,
+    ROTARY_QK_,
+    OpSpec,
+)
 
 __all__ = ["empty_output", "fake_kernel"]
 
@@ -210,6 +221,35 @@ def _mla_rotary_cache(a):
         raise TypeError(
             f"kv_cache must have the dtype of q ({q.dtype}) or be float8_e4m3fn / float8_e5m2, "
             f"got {kv_cache.dtype}"
+        )
+
+
+@fake_kernel(REROTATE)
+def _rerotate_kv_cache(a):
+    cache, cos_sin = a.key_cache, a.cos_sin
+    for name in ("key_cache", "slot_mapping", "delta", "cos_sin"):
+        t = getattr(a, name)
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    for name in ("slot_mapping", "delta", "cos_sin", "k_scale"):
+        t = getattr(a, name)
+        if t is not None and t.device != cache.device:
+            raise ValueError(f"{name} must be on the device of key_cache ({cache.device}), got {t.device}")
+    if a.layout not in ("NHD", "HND"):
+        raise ValueError(f"layout must be 'NHD' or 'HND', got '{a.layout}'")
+    if cache.dim() != 4:
+        raise ValueError(f"key_cache must be 4-d, got shape {list(cache.shape)}")
+    if a.slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be an int64 tensor, got {a.slot_mapping.dtype}")
+    if a.delta.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"delta must be an int32 or int64 tensor, got {a.delta.dtype}")
+    torch._check(a.slot_mapping.dim() == 1, lambda: "slot_mapping must be [T]")
+    torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
+    rd, d = cos_sin.shape[-1], cache.shape[-1]
+    torch._check(rd <= d, lambda: "rotary_dim must be <= head_dim")
+    if not 0 <= a.rotary_offset <= d - rd:
+        raise ValueError(
+            f"rotary_offset must be in [0, head_dim - rotary_dim] = [0, {d - rd}], got {a.rotary_offset}"
         )
 
 

@@ -19,14 +19,15 @@ from torch import Tensor
 from . import autograd as _autograd  # noqa: F401  (registers the autograd formulas)
 from . import fakes as _fakes  # noqa: F401  (registers the fake kernels)
 from ._inplace import check_inplace_allowed
-from .checks import position_checks, split_qkv, typed_errors
-from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_PACKED_
+from .checks import position_checks, shift_tensor, split_qkv, typed_errors
+from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_PACKED_, REROTATE
 
 __all__ = [
     "apply_mla_rotary_and_cache_",
     "apply_qk_norm_rotary",
     "apply_qk_norm_rotary_",
     "apply_rotary_qk_and_cache_",
+    "rerotate_kv_cache_",
 ]
 
 _is_compiling = torch.compiler.is_compiling
@@ -199,6 +200,44 @@ def _mla_checked(inputs: tuple, options: tuple) -> None:
         (a.q if a.q_out is None else a.q_out).copy_(qc if a.q_out is None else qo)
         return
     MLA_CACHE.call(a)
+
+
+@typed_errors
+def rerotate_kv_cache_(
+    key_cache: Tensor,
+    slot_mapping: Tensor,
+    delta: Tensor | int,
+    cos_sin: Tensor,
+    *,
+    layout: str = "NHD",
+    interleaved: bool = False,
+    k_scale: Tensor | None = None,
+    rotary_offset: int = 0,
+) -> None:
+    """Rotate keys already in a paged cache by ``delta`` positions, in place (context shift, attention
+    sinks, a prefix reused at another offset).
+
+    ``key_cache`` as :func:`apply_rotary_qk_and_cache_` writes it (``"NHD"`` ``[num_blocks, block_size,
+    Hk, D]`` or ``"HND"`` ``[num_blocks, Hk, block_size, D]``), of any float dtype or fp8. Every head of
+    the key at slot ``slot_mapping[t]`` (int64 ``[T]``; -1 skips the token) has its features
+    ``rotary_offset .. rotary_offset + rotary_dim`` rotated by ``delta[t]`` positions (``delta``: int32 /
+    int64 ``[T]``, a one-element tensor or an int, one shift for all): by the table row ``|delta|``,
+    inversely for a negative delta, so a key rotated at position p moves to ``p + delta``. Same pairing
+    and ``cos_sin`` as when the keys were written. An fp8 cache is dequantized (``x * k_scale`` in
+    float32), rotated in float32 and requantized with the same scale (:func:`rope_ext.reference.
+    quantize_fp8`); other dtypes rotate as :func:`apply_rotary` does (float32 arithmetic).
+
+    Slots are expected distinct. A slot outside the cache, or a shift with ``|delta| >=
+    cos_sin.shape[0]``, raises on CPU before anything is written (``IndexError``; a repeated slot
+    ``ValueError``); on CUDA that token is skipped, and :func:`rope_ext.set_position_checks` makes eager
+    calls raise instead. One launch on CUDA, CUDA-graph safe with tensor arguments (an int delta is
+    copied to the device). Not differentiable.
+    """
+    delta = shift_tensor(delta, key_cache)
+    a = REROTATE.check(
+        (key_cache, slot_mapping, delta, cos_sin), (k_scale, interleaved, layout, rotary_offset)
+    )
+    REROTATE.call(a)
 
 
 def apply_qk_norm_rotary_(

@@ -69,6 +69,7 @@ __all__ = [
     "QK_NORM",
     "QK_NORM_",
     "QK_NORM_PACKED_",
+    "REROTATE",
     "ROTARY",
     "ROTARY_QK",
     "ROTARY_QK_",
@@ -209,7 +210,8 @@ ROTARY_QK = OpSpec("rotary_qk", checks.rotary_args)
 ROTARY_QK_ = OpSpec("rotary_qk_", checks.rotary_args)
 CACHE = OpSpec("rotary_qk_cache_", checks.cache_args)
 MLA_CACHE = OpSpec("mla_rotary_cache_", checks.mla_args)
+REROTATE = OpSpec("rerotate_kv_cache_", checks.rerotate_args)
 QK_NORM = OpSpec("qk_norm_rotary", checks.qk_norm_args)
 QK_NORM_ = OpSpec("qk_norm_rotary_", checks.qk_norm_args)
 QK_NORM_PACKED_ = OpSpec("qk_norm_rotary_packed_", checks.qk_norm_packed_args)
-OPS = (ROTARY, ROTARY_QK, ROTARY_QK_, CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_)
+OPS = (ROTARY, ROTARY_QK, ROTARY_QK_, CACHE, MLA_CACHE, REROTATE, QK_NORM, QK_NORM_, QK_NORM_PACKED_)

@@ -257,6 +257,67 @@ def _serving_ops(rank, world_size):
     return True
 
 
+def _mla_cache(rank, world_size):
+    """``mla_rotary_cache_`` on DTensors: q (and q_out) sharded on heads with kv_c, k_pe, the latent cache
+    and the rest replicated, or everything replicated; each equal to the single-device result, placements
+    kept. Plain (cache of q's dtype) and fp8 (q_out and cache with scales)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import rope_ext
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    R = Replicate()
+    g = torch.Generator().manual_seed(4)
+    T, H, NOPE, ROPE, LORA = 8, 4, 16, 16, 32
+    q = torch.randn(T, H, NOPE + ROPE, generator=g).to(DEVICE)
+    kv = torch.randn(T, LORA + ROPE, generator=g).to(DEVICE)
+    pos = torch.randint(0, 64, (T,), generator=g).to(DEVICE)
+    cs = rope_ext.RopeCache(ROPE, max_positions=64).cos_sin.to(DEVICE)
+    slots = torch.cat([torch.randperm(3 * 4, generator=g)[: T - 1], torch.tensor([-1])]).to(DEVICE)
+    f8 = torch.float8_e4m3fn
+    scale = torch.tensor([0.5], device=DEVICE)
+
+    def d(t, pl):  # a clone: a replicated DTensor shares its tensor's memory, and every call mutates
+        return distribute_tensor(t.clone(), mesh, [pl])
+
+    for fp8 in (False, True):
+        cache_dtype = f8 if fp8 else q.dtype
+        kw = dict(rotary_offset=NOPE, interleaved=True)
+        want_q, want_kpe = q.clone(), kv[:, LORA:].clone()
+        want_cache = torch.zeros(3, 4, LORA + ROPE, device=DEVICE).to(cache_dtype)
+        want_qo = torch.zeros(T, H, NOPE + ROPE, device=DEVICE).to(f8) if fp8 else None
+        fp8_kw = dict(kv_scale=scale, q_out=want_qo, q_scale=scale) if fp8 else {}
+        rope_ext.apply_mla_rotary_and_cache_(
+            want_q, kv[:, :LORA], want_kpe, pos, cs, want_cache, slots, **kw, **fp8_kw
+        )
+        for pl in (Shard(1), R):
+            for call in ("api", "op"):
+                dq, dkpe = d(q, pl), d(kv[:, LORA:], R)
+                dcache = d(torch.zeros_like(want_cache.view(torch.uint8)), R).view(cache_dtype)
+                dqo = d(torch.zeros_like(want_qo.view(torch.uint8)), pl).view(f8) if fp8 else None
+                extra = dict(kv_scale=d(scale, R), q_out=dqo, q_scale=d(scale, R)) if fp8 else {}
+                args = (dq, d(kv[:, :LORA], R), dkpe, d(pos, R), d(cs, R), dcache, d(slots, R))
+                if call == "api":
+                    rope_ext.apply_mla_rotary_and_cache_(*args, **kw, **extra)
+                else:
+                    torch.ops.rope_ext.mla_rotary_cache_(*args, **kw, **extra)
+                assert tuple(dq.placements) == (pl,) and tuple(dcache.placements) == (R,)
+                assert torch.equal(dq.full_tensor(), want_q), (fp8, pl, call)
+                assert torch.equal(dkpe.full_tensor(), want_kpe)
+                u8 = torch.uint8
+                assert torch.equal(dcache.full_tensor().view(u8), want_cache.view(u8)), (fp8, pl, call)
+                if fp8:  # this rank's heads (gloo gathers no fp8)
+                    assert tuple(dqo.placements) == (pl,)
+                    mine = want_qo.view(u8).chunk(world_size, dim=1)[rank] if pl == Shard(1) else want_qo
+                    assert torch.equal(dqo.to_local().view(u8), mine.view(u8)), (pl, call)
+    return True
+
+
+@pytest.mark.slow
+def test_mla_cache_on_two_ranks():
+    assert run_ranks(_mla_cache, 2, timeout=240) == [True, True]
+
+
 @pytest.mark.slow
 def test_serving_ops_on_two_ranks():
     assert run_ranks(_serving_ops, 2, timeout=240) == [True, True]
@@ -298,6 +359,7 @@ def test_rules_are_registered_on_import():
         "qk_norm_rotary",
         "qk_norm_rotary_",
         "rotary_qk_cache_",
+        "mla_rotary_cache_",
         "qk_norm_rotary_packed_",
     ):
         packet = getattr(torch.ops.rope_ext, op)

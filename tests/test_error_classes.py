@@ -56,6 +56,17 @@ def _bare_serving(**over):
     return lambda: torch.ops.rope_ext.rotary_qk_cache_(*a.values())
 
 
+def _rerotate(**over):
+    """(public call, bare op call) of rerotate_kv_cache_ with the arguments ``over`` replaces."""
+    a = dict(key_cache=torch.zeros(2, 4, HK, D), slot_mapping=torch.arange(T))
+    a |= dict(delta=torch.ones(T, dtype=torch.int64), cos_sin=CS)
+    a.update(over)
+    return (
+        lambda: rope_ext.rerotate_kv_cache_(*a.values()),
+        lambda: torch.ops.rope_ext.rerotate_kv_cache_(*a.values()),
+    )
+
+
 def _norm(q_weight, bare=False):
     q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
     if bare:
@@ -128,6 +139,12 @@ CASES = {
         lambda: torch.ops.rope_ext.qk_norm_rotary_packed_(
             QKV_INT, 2, 1, 1, torch.ones(D), torch.ones(D), POS[:, 0], CS
         ),
+    ),
+    "key_cache must be a float or fp8 tensor": _rerotate(key_cache=torch.zeros(2, 4, HK, D).to(torch.int8)),
+    "delta must be an int32 or int64 tensor": _rerotate(delta=torch.ones(T)),
+    "cos_sin must be float32 or the dtype of key_cache": _rerotate(cos_sin=CS.double()),
+    "cos_sin must be float32 for an fp8 key_cache": _rerotate(
+        key_cache=torch.zeros(2, 4, HK, D, dtype=E4M3), cos_sin=CS.to(E4M3)
     ),
 }
 # Checks no Python call reaches: a non-optional Tensor argument of a schema cannot be None.

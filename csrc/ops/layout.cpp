@@ -73,7 +73,14 @@ int64_t runs_of(const Layout& t, std::vector<std::pair<int64_t, int64_t>>& outer
     run *= dims.back().first;
     dims.pop_back();
   }
-  outer = dims;
+  // Outer dims that nest exactly (blocks of rows: [blocks, block_size] of a cache view) are one.
+  outer.clear();
+  for (const auto& [size, stride] : dims) {
+    if (!outer.empty() && stride > 0 && outer.back().second == size * stride)
+      outer.back() = {outer.back().first * size, stride};
+    else
+      outer.emplace_back(size, stride);
+  }
   return run;
 }
 

@@ -25,8 +25,8 @@ rope::RerotateParams make_rerotate_params(const Tensor& key_cache_t, const Tenso
   const ScalarType dtype = dtype_of(kc);
   const rope::Fp8 fp8 = fp8_of(dtype);
   ROPE_CHECK(TypeError, is_supported_float(dtype) || fp8 != rope::Fp8::kNone,
-             "key_cache must be float32, float64, float16, bfloat16, float8_e4m3fn or float8_e5m2, "
-             "got ",
+             "key_cache must be a float or fp8 tensor (float32, float64, float16, bfloat16, "
+             "float8_e4m3fn or float8_e5m2), got ",
              dtype);
   const int64_t D = kc.size(3);
   ROPE_CHECK(ValueError, D <= 1 || kc.stride(3) == 1,

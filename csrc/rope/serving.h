@@ -83,7 +83,7 @@ ROPE_HD float fp8_to_float(uint8_t b, Fp8 t) {
 // no row of n_rows holds it), inverse when delta < 0.
 ROPE_HD int64_t shift_row(int64_t delta, int64_t n_rows, bool& inverse) {
   inverse = delta < 0;
-  if (delta < -n_rows || delta >= n_rows) return -1;  // also INT64_MIN, whose |delta| overflows
+  if (delta <= -n_rows || delta >= n_rows) return -1;  // also INT64_MIN, whose |delta| overflows
   return delta < 0 ? -delta : delta;
 }
 

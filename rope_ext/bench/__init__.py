@@ -16,8 +16,11 @@ The default modes time the rotation (``inplace``, ``out``, ``backward``). The se
 ``--mode`` names them, on the same workloads: ``cache`` / ``cache-fp8`` (RoPE + paged KV-cache write from
 views of a packed qkv, caches of q's dtype / float8_e4m3fn; fused ``rope_ext.apply_rotary_qk_and_cache_``
 against the two-op eager path, validated on q, k and both caches, ``% ceil`` against ``stream cache``)
-and ``qknorm`` (fused QK-RMSNorm + RoPE on the packed qkv against eager and ``torch.compile`` unfused
-references, validated against :func:`rope_ext.reference.qk_norm_rotary`).
+``qknorm`` (fused QK-RMSNorm + RoPE on the packed qkv against eager and ``torch.compile`` unfused
+references, validated against :func:`rope_ext.reference.qk_norm_rotary`) and, on presets with an MLA shape
+(``deepseek-v3``), ``mla`` / ``mla-fp8`` (RoPE + MLA latent-cache write: fused
+``rope_ext.apply_mla_rotary_and_cache_`` against the eager and ``torch.compile`` unfused path a server
+writes by hand, validated on q, k_pe and the cache, ``% ceil`` against ``stream mla``).
 
 The parts:
 
@@ -26,11 +29,12 @@ The parts:
   tower), default token counts, dtypes, modes (the serving modes, the KV-cache block size);
 * :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`; the
   serving modes' :class:`ServingInputs`), input sets;
+* :mod:`.mla` - the MLA modes' inputs (:class:`MlaInputs`), bytes and unfused reference;
 * :mod:`.providers` - the registry (:func:`provider`, :class:`Provider`, :class:`Skip`) and one module per
   provider family (rope_ext, the HF references, the vision / diffusion models' own RoPE code, vLLM,
   FlashInfer, flash-attn, Liger);
 * :mod:`.ceilings` - what the machine does with the same bytes (in-place stream, clone, copy, no-op op,
-  tiny kernel; the serving modes' ``stream cache``);
+  tiny kernel; the serving modes' ``stream cache``, ``stream mla``);
 * :mod:`.parts` - pieces of a provider's work timed on their own (``varlen_positions``);
 * :mod:`.timing` - blocked CPU timing, CUDA events with the L2 flushed, statistics, allocator modes;
 * :mod:`.validation` - the check against the float64 reference (the serving modes': their references and
@@ -47,6 +51,7 @@ from __future__ import annotations
 from .baselines import hf_apply_rotary_pos_emb, hf_rotate_every_two, hf_rotate_half
 from .ceilings import CEILING_FOR_MODE, ceiling_bytes, noop_op
 from .cli import config_from_args, main, parse_args
+from .mla import MlaInputs, mla_rotary_cache_unfused_
 from .parts import PART_OF, parts
 from .presets import (
     ALL_MODES,
@@ -54,12 +59,15 @@ from .presets import (
     DECODE_TOKENS,
     DTYPES,
     KV_BLOCK_SIZE,
+    MLA_BLOCK_SIZE,
+    MLA_MODES,
     MODES,
     PREFILL_TOKENS,
     PRESETS,
     SERVING_MODES,
     VISION_TARGETS,
     Axes,
+    Mla,
     Preset,
 )
 from .providers import PROVIDERS, Builder, Provider, Runner, Skip, provider
@@ -100,6 +108,8 @@ __all__ = [
     "DECODE_TOKENS",
     "DTYPES",
     "KV_BLOCK_SIZE",
+    "MLA_BLOCK_SIZE",
+    "MLA_MODES",
     "MODES",
     "PART_OF",
     "PREFILL_TOKENS",
@@ -113,6 +123,8 @@ __all__ = [
     "Builder",
     "Case",
     "Config",
+    "Mla",
+    "MlaInputs",
     "Preset",
     "Provider",
     "Runner",
@@ -131,6 +143,7 @@ __all__ = [
     "machine_info",
     "main",
     "make_case",
+    "mla_rotary_cache_unfused_",
     "mrope_prefill_positions",
     "noop_op",
     "packed_cu_seqlens",

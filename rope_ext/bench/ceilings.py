@@ -9,7 +9,7 @@
 * ``tiny kernel`` (GPU only): ``one.zero_()`` on a one-element tensor, the device time of an (almost)
   empty kernel launch; on a GPU the decode ratio ``x no-op`` is taken against it.
 
-Only when the run has the serving modes (``cache``, ``cache-fp8``; ``qknorm`` takes ``stream in-place``,
+Only when the run has the cache modes (``cache``, ``cache-fp8``; ``qknorm`` takes ``stream in-place``,
 which streams exactly the q and k heads of its packed qkv, read and written):
 
 * ``stream cache`` / ``stream cache-fp8``: the bytes of one RoPE + KV-cache write call, streamed through
@@ -21,6 +21,15 @@ which streams exactly the q and k heads of its packed qkv, read and written):
   ``r[m:].sum()`` (read only; fp32 v into fp8 caches: half of v). In all: q and k read and written, v
   read, the cache rows written once - the minimum traffic of the fused op, without cos/sin, positions and
   slots (k is read once: the fused op writes the cache's key rows from the rotation it already holds).
+
+Only when the run has the MLA modes (``mla``, ``mla-fp8``), on presets with an MLA shape:
+
+* ``stream mla`` / ``stream mla-fp8``: the same streams over the bytes of one RoPE + MLA latent-cache write
+  (:mod:`.mla`): ``a.mul_(1.0)`` on q's rope part plus k_pe (the workload's q and k: read and written),
+  ``kv_c`` read (in v's place) and the latent cache rows written (``Case.mla_cache_bytes``: ``kv_lora_rank +
+  rope`` values a token in q's dtype, or one byte each for fp8; caches of q's dtype: the rest is the k_pe
+  columns, written alone; fp8: the rest of kv_c, read alone). q's nope part is not streamed: the op does
+  not touch it.
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ from typing import Any
 
 import torch
 
+from .presets import MLA_MODES
 from .workloads import Case, clones
 
-__all__ = ["CEILING_FOR_MODE", "ceiling_bytes", "ceilings", "noop_op"]
+__all__ = ["CEILING_FOR_MODE", "SERVING_STREAMS", "ceiling_bytes", "ceilings", "noop_op"]
 
 _noop_lib: torch.library.Library | None = None
 
@@ -55,12 +65,13 @@ def noop_op() -> Callable[..., None]:
     return torch.ops.rope_bench.noop_qk_.default
 
 
-def _stream_cache(case: Case, fp8: bool) -> Callable[[], Any]:
-    """The ``stream cache`` ceiling (see the module docstring)."""
+def _stream_cache(case: Case, read_bytes: int, write_bytes: int) -> Callable[[], Any]:
+    """The ``stream cache`` and ``stream mla`` ceilings (see the module docstring): q and k streamed in
+    place, ``read_bytes`` (v, kv_c) read and ``write_bytes`` (the cache rows) written."""
     dev = case.device
     a = torch.ones(max(sum(case.qk_bytes()) // 4, 1), device=dev)
-    r = torch.ones(max(case.v_bytes() // 4, 1), device=dev)
-    w = torch.ones(max(case.cache_bytes(fp8) // 4, 1), device=dev)
+    r = torch.ones(max(read_bytes // 4, 1), device=dev)
+    w = torch.ones(max(write_bytes // 4, 1), device=dev)
     m = min(r.numel(), w.numel())
     rm, wm, r_rest, w_rest = r[:m], w[:m], r[m:], w[m:]
     if w_rest.numel():
@@ -86,12 +97,19 @@ def _stream_cache(case: Case, fp8: bool) -> Callable[[], Any]:
     return run
 
 
+def _stream_parts(case: Case, name: str) -> tuple[int, int]:
+    """(bytes read, bytes written) of a ``stream cache`` / ``stream mla`` ceiling besides q and k."""
+    if name.startswith("stream mla"):
+        return case.kv_c_bytes(), case.mla_cache_bytes(name == "stream mla-fp8")
+    return case.v_bytes(), case.cache_bytes(name == "stream cache-fp8")
+
+
 def ceiling_bytes(case: Case, name: str) -> int:
     """The bytes a ceiling streams (its GB/s counts them): q and k read and written for the q/k ceilings;
-    ``stream cache``: that, v read and the cache rows written."""
+    ``stream cache`` (``stream mla``): that, v (kv_c) read and the cache rows written."""
     qk = sum(case.qk_bytes())
-    if name.startswith("stream cache"):
-        return 2 * qk + case.v_bytes() + case.cache_bytes(name == "stream cache-fp8")
+    if name in SERVING_STREAMS:
+        return 2 * qk + sum(_stream_parts(case, name))
     return 2 * qk
 
 
@@ -100,7 +118,8 @@ def ceilings(case: Case, modes: Sequence[str] = ()) -> dict[str, Callable[[], An
 
     The streaming ceilings use one float32 buffer of q's plus k's bytes (one parallel region per call,
     as the rotary op itself), so they measure the machine, not torch's kernels for a dtype. ``modes``:
-    the run's modes; ``cache`` and ``cache-fp8`` add their ``stream cache`` ceilings.
+    the run's modes; ``cache`` and ``cache-fp8`` add their ``stream cache`` ceilings, ``mla`` and
+    ``mla-fp8`` their ``stream mla`` ones (presets with an MLA shape).
     """
     nq, nk = case.qk_bytes()
     dev = case.device
@@ -123,9 +142,10 @@ def ceilings(case: Case, modes: Sequence[str] = ()) -> dict[str, Callable[[], An
         # The device time of launching a kernel that does (almost) nothing: the floor for decode steps.
         one = torch.zeros(1, device=dev)
         out["tiny kernel"] = lambda: one.zero_()
-    for mode in ("cache", "cache-fp8"):
-        if mode in modes:
-            out[CEILING_FOR_MODE[mode]] = _stream_cache(case, mode == "cache-fp8")
+    for mode in ("cache", "cache-fp8", *MLA_MODES):
+        if mode in modes and (mode not in MLA_MODES or case.preset.mla is not None):
+            name = CEILING_FOR_MODE[mode]
+            out[name] = _stream_cache(case, *_stream_parts(case, name))
     return out
 
 
@@ -137,4 +157,8 @@ CEILING_FOR_MODE = {
     "cache": "stream cache",
     "cache-fp8": "stream cache-fp8",
     "qknorm": "stream in-place",
+    "mla": "stream mla",
+    "mla-fp8": "stream mla-fp8",
 }
+# The serving modes' own streams: a row of one of them counts (and reports) the bytes it streams.
+SERVING_STREAMS = ("stream cache", "stream cache-fp8", "stream mla", "stream mla-fp8")

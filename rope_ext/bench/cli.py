@@ -78,7 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(MODES),
         help=f"comma-separated, of {','.join(ALL_MODES)}; the serving modes run only when named: cache "
         "(RoPE + paged KV-cache write, caches of q's dtype), cache-fp8 (float8_e4m3fn caches with k/v "
-        "scales), qknorm (QK-RMSNorm + RoPE on a packed qkv)",
+        "scales), qknorm (QK-RMSNorm + RoPE on a packed qkv), mla (RoPE + MLA latent-cache write, a cache "
+        "of q's dtype; presets with an MLA shape: deepseek-v3), mla-fp8 (float8_e4m3fn cache with kv_scale)",
     )
     ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -207,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if p.axes
                     else ""
                 )
+                + (f" mla nope {p.mla.qk_nope_head_dim} kv_lora_rank {p.mla.kv_lora_rank}" if p.mla else "")
             )
         print("providers: " + ", ".join(sorted({f"{p.name} ({p.mode})" for p in PROVIDERS})))
         print("parts: " + ", ".join(PART_OF))

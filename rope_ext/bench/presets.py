@@ -15,7 +15,10 @@ __all__ = [
     "DECODE_TOKENS",
     "DTYPES",
     "KV_BLOCK_SIZE",
+    "MLA_BLOCK_SIZE",
+    "MLA_MODES",
     "MODES",
+    "Mla",
     "QKNORM_EPS",
     "QKNORM_WEIGHT",
     "SERVING_MODES",
@@ -72,6 +75,25 @@ class Axes:
 
 
 @dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (DeepSeek-V2/V3): the shape of the MLA modes' inputs.
+
+    The preset's ``head_dim`` and ``rotary_dim`` are ``qk_rope_head_dim`` (the decoupled rope part;
+    ``kv_heads`` 1: k_pe is shared by all heads), so the rotary modes time ``q_pe [T, H, rope]`` and ``k_pe
+    [T, 1, rope]`` alone, as vLLM's DeepSeek models rotate them; the MLA modes' ``q [T, H, qk_nope_head_dim
+    + rope]`` holds the rope part after ``qk_nope_head_dim`` features that pass through, and ``kv_c [T,
+    kv_lora_rank]`` is written beside the rotated k_pe in the latent cache (:mod:`~rope_ext.bench.mla`).
+    """
+
+    qk_nope_head_dim: int
+    kv_lora_rank: int
+
+    def __post_init__(self) -> None:
+        if self.qk_nope_head_dim < 0 or self.kv_lora_rank <= 0:
+            raise ValueError(f"an MLA shape needs qk_nope_head_dim >= 0 and kv_lora_rank > 0, got {self}")
+
+
+@dataclass(frozen=True)
 class Preset:
     """Attention shape of a model: heads, head and rotary dims, pairing and rope base.
 
@@ -91,8 +113,16 @@ class Preset:
     base: float = 10000.0
     mrope_section: tuple[int, int, int] | None = None
     axes: Axes | None = None
+    mla: Mla | None = None
 
     def __post_init__(self) -> None:
+        if self.mla is not None and (
+            self.sections is not None or self.kv_heads != 1 or self.head_dim != self.rotary_dim
+        ):
+            raise ValueError(
+                "an MLA preset has one position per token, kv_heads 1 and head_dim == rotary_dim "
+                "(the rope part)"
+            )
         if self.axes is not None:
             if self.mrope_section is not None:
                 raise ValueError("a preset has mrope_section or axes, not both")
@@ -138,7 +168,10 @@ VISION_TARGETS = {"frac_ceiling": 0.9, "speedup_vs_compile": 3.0, "speedup_vs_ea
 # From each model's Hugging Face config.json: num_attention_heads, num_key_value_heads, head_dim,
 # rotary_dim (head_dim times partial_rotary_factor / rotary_pct, or GPT-J's rotary_dim), pairing
 # (interleaved for GPT-J and DeepSeek-V3's decoupled rope part) and rope_theta (10000 where it has none);
-# for MRoPE models, rope_scaling.mrope_section.
+# for MRoPE models, rope_scaling.mrope_section. deepseek-v3: its MLA shape (num_attention_heads 128,
+# qk_nope_head_dim 128, qk_rope_head_dim 64 (head_dim and rotary_dim), kv_lora_rank 512), interleaved pairs
+# (vLLM's DeepSeek models pass is_neox_style=False), theta 10000 without its yarn scaling (the same work);
+# its rotary modes time the same q_pe, k_pe as deepseek-v3-rope, its MLA modes the whole step (see Mla).
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -158,6 +191,7 @@ PRESETS: dict[str, Preset] = {
         Preset("phi-2", 32, 32, 80, 32, False, 1e4),
         Preset("phi-3-mini", 32, 32, 96, 96, False, 1e4),
         Preset("deepseek-v3-rope", 128, 1, 64, 64, True, 1e4),
+        Preset("deepseek-v3", 128, 1, 64, 64, True, 1e4, mla=Mla(qk_nope_head_dim=128, kv_lora_rank=512)),
         Preset("gpt-oss-20b", 64, 8, 64, 64, False, 1.5e5),
         Preset("gemma-2-9b", 16, 8, 256, 256, False, 1e4),
         Preset("stablelm-3b", 32, 32, 80, 20, False, 1e4),
@@ -175,13 +209,18 @@ DTYPES = {
 }
 MODES = ("inplace", "out", "backward")  # the default --mode
 # The serving fusions, run only when --mode names them: RoPE + paged KV-cache write (caches of q's dtype,
-# or float8_e4m3fn with k/v scales) and QK-RMSNorm + RoPE on a packed qkv.
-SERVING_MODES = ("cache", "cache-fp8", "qknorm")
+# or float8_e4m3fn with k/v scales), QK-RMSNorm + RoPE on a packed qkv, and RoPE + MLA latent-cache write
+# (a cache of q's dtype, or float8_e4m3fn with kv_scale; presets with an MLA shape only).
+MLA_MODES = ("mla", "mla-fp8")
+SERVING_MODES = ("cache", "cache-fp8", "qknorm", *MLA_MODES)
 ALL_MODES = MODES + SERVING_MODES
 # Paged KV cache of the cache modes: NHD blocks of KV_BLOCK_SIZE tokens (vLLM's default); a prefill's
 # cache holds just its tokens (slots a random permutation of them), a decode step's DECODE_CACHE_SLOTS
 # slots (its tokens written to random distinct ones).
 KV_BLOCK_SIZE = 16
+# The MLA modes' latent cache [num_blocks, MLA_BLOCK_SIZE, kv_lora_rank + rope]: blocks of 64 tokens (what
+# vLLM's FlashMLA backend requires), slots drawn as for the KV cache.
+MLA_BLOCK_SIZE = 64
 DECODE_CACHE_SLOTS = 4096
 QKNORM_EPS = 1e-6  # Qwen3's rms_norm_eps
 QKNORM_WEIGHT = 1.3  # |q_weight| = |k_weight| (random signs)

@@ -11,10 +11,13 @@ A part's (``varlen_positions``) ``% rot`` is its time divided by the rotation's 
 The serving modes count their own bytes (:meth:`~rope_ext.bench.workloads.Case.bytes_moved`): ``cache`` /
 ``cache-fp8`` add v read, the cache rows written and the slots read, and take ``% ceil`` against
 ``stream cache`` / ``stream cache-fp8`` (those bytes streamed; see :mod:`.ceilings`); ``qknorm`` against
-``stream in-place`` (its q and k heads read and written). Their ``vs eager`` is against the mode's
-unfused eager path (``rope_ext unfused``, ``eager unfused``); the summary adds ``qknorm``'s ratio to
-``torch.compile unfused``, a decode step's ratio to ``rope_ext`` in place on the same tokens, and whether
-the issue's floors are met (:data:`SERVING_FLOORS`).
+``stream in-place`` (its q and k heads read and written); ``mla`` / ``mla-fp8`` count q's rope part and k_pe
+read and written, kv_c read, the latent cache rows written and the slots read (:mod:`.mla`), ``% ceil``
+against ``stream mla`` / ``stream mla-fp8``. Their ``vs eager`` is against the mode's unfused eager path
+(``rope_ext unfused``, ``eager unfused``); the summary adds the ratio to ``torch.compile unfused``
+(``qknorm``, MLA modes), a decode step's ratio to ``rope_ext`` in place on the same tokens (for the MLA
+modes: the rotation of the same q_pe and k_pe), and whether the issue's floors are met
+(:data:`SERVING_FLOORS`).
 
 Vision and diffusion presets (``axes``): ``vs eager`` is against ``model-eager`` (the model's own RoPE code,
 diffusers' or transformers'), and the summary gives rope_ext's ratios to ``model-compile`` and
@@ -30,7 +33,7 @@ import math
 import sys
 from typing import Any
 
-from .presets import VISION_TARGETS
+from .presets import SERVING_MODES, VISION_TARGETS
 
 __all__ = [
     "CEILING_STYLE",
@@ -177,8 +180,10 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
     if any(r["mode"] in _SERVING for r in result["rows"]):
         print(
             "serving modes: cache bytes add v read, cache rows written, slots read; % ceil vs 'stream "
-            "cache[-fp8]' (those bytes streamed), qknorm vs 'stream in-place' (q, k heads); vs eager: "
-            "the unfused eager path (rope_ext unfused / eager unfused) time / time.",
+            "cache[-fp8]' (those bytes streamed), qknorm vs 'stream in-place' (q, k heads); mla bytes: q's "
+            "rope part and k_pe read + written, kv_c read, latent cache rows written, slots read, % ceil vs "
+            "'stream mla[-fp8]'; vs eager: the unfused eager path (rope_ext unfused / eager unfused) time / "
+            "time.",
             file=file,
         )
     for line in summary(result):
@@ -281,7 +286,7 @@ def _vision_words(ip: dict[str, Any], rows: dict[str, dict[str, Any]], cpu: bool
     return words
 
 
-_SERVING = ("cache", "cache-fp8", "qknorm")
+_SERVING = SERVING_MODES
 # The issue's floors for the fused serving ops, Llama-3-8B-sized: a prefill of prefill_tokens or more at
 # frac_ceiling of its ceiling (every serving mode, on a CPU or a GPU), the QK norm there at least
 # qknorm_speedup_vs_compile times torch.compile of the unfused reference (on a CPU); a decode step of at most
@@ -400,6 +405,8 @@ CEILING_STYLE = {
     "copy into": (":", "black"),
     "stream cache": ("-.", "black"),
     "stream cache-fp8": ("-.", "gray"),
+    "stream mla": (":", "tab:blue"),
+    "stream mla-fp8": (":", "tab:cyan"),
 }
 
 

@@ -5,9 +5,10 @@ from other processes hits them alike; the median over all rounds is reported wit
 percentiles). Parts (:mod:`.parts`, e.g. ``varlen_positions`` of a packed workload) are timed in the same
 rounds and reported as a fraction of the rotation they feed.
 
-The serving modes (``cache``, ``cache-fp8``, ``qknorm``) run on the same workloads, after the other
-modes' rows, each against its own baseline (the unfused eager path) and ceiling; ``qknorm`` rows also
-carry ``speedup_vs_compile`` (the ``torch.compile unfused`` time over theirs).
+The serving modes (``cache``, ``cache-fp8``, ``qknorm``, ``mla``, ``mla-fp8``) run on the same workloads,
+after the other modes' rows, each against its own baseline (the unfused eager path) and ceiling; ``qknorm``
+and MLA rows also carry ``speedup_vs_compile`` (the ``torch.compile unfused`` time over theirs). The MLA
+modes run on presets with an MLA shape only (a note names the presets they skipped).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch
 
 import rope_ext
 
-from .ceilings import CEILING_FOR_MODE, ceiling_bytes, ceilings
+from .ceilings import CEILING_FOR_MODE, SERVING_STREAMS, ceiling_bytes, ceilings
 from .parts import PART_OF, parts
-from .presets import MODES, SERVING_MODES, dtype_name
+from .presets import MLA_MODES, MODES, SERVING_MODES, dtype_name
 from .providers import PROVIDERS, Provider, Skip
 from .timing import Timer, set_cpu_allocator, stats
 from .validation import check
@@ -125,6 +126,8 @@ def run_benchmark(
             "seqs": seqs or None,
             "mrope_section": list(preset.sections) if preset.sections else None,
             "axes_dim": list(preset.axes.dims) if preset.axes else None,
+            "qk_nope_head_dim": preset.mla.qk_nope_head_dim if preset.mla else None,
+            "kv_lora_rank": preset.mla.kv_lora_rank if preset.mla else None,
             "bytes": case.bytes_moved(),
             "qk_bytes": sum(case.qk_bytes()),
         }
@@ -135,6 +138,11 @@ def run_benchmark(
         runners: dict[str, Callable[[], Any]] = {}
         wl_rows: dict[str, dict[str, Any]] = {}
         for p in provs:
+            if p.mode in MLA_MODES and preset.mla is None:
+                notes[
+                    f"{p.mode} runs on presets with an MLA shape (deepseek-v3): skipped on {preset.name}"
+                ] = None
+                continue
             key = f"{p.name}|{p.mode}"
             row = {**base, "provider": p.name, "mode": p.mode, "kind": "provider", "baseline": p.baseline}
             if p.mode in SERVING_MODES:
@@ -168,7 +176,7 @@ def run_benchmark(
             key = f"{name}|ceiling"
             row = {**base, "provider": name, "mode": "ceiling", "kind": "ceiling", "status": "ok"}
             row["stream_bytes"] = ceiling_bytes(case, name)
-            if name.startswith("stream cache"):
+            if name in SERVING_STREAMS:
                 row["bytes"] = row["stream_bytes"]
             wl_rows[key] = row
             rows.append(row)
@@ -206,7 +214,7 @@ def run_benchmark(
 # The mode whose baseline ("vs eager") each mode's rows are compared with; a serving mode, its own.
 BASELINE_MODE = {"inplace": "out", "out": "out", "backward": "backward"}
 # The compiled unfused reference of a mode, whose time over a row's is its speedup_vs_compile.
-COMPILED_REF = {"qknorm": "torch.compile unfused|qknorm"}
+COMPILED_REF = {m: f"torch.compile unfused|{m}" for m in ("qknorm", *MLA_MODES)}
 # Presets with the model's own RoPE code (axes): their rotary rows' eager baseline is model-eager (not the
 # HF formula) and their speedup_vs_compile is against model-compile.
 MODEL_EAGER, MODEL_COMPILE = "model-eager|out", "model-compile|out"
@@ -233,7 +241,8 @@ def _derive(wl: dict[str, dict[str, Any]]) -> None:
             continue
         r["gbps"] = r["bytes"] / t / 1e9
         if r["kind"] == "ceiling":
-            # q and k read and written (stream cache: and v read, cache rows written), no cos/sin or positions
+            # q and k read and written (stream cache / mla: and v / kv_c read, cache rows written), no cos/sin
+            # or positions
             r["gbps"] = r.get("stream_bytes", 2 * r["qk_bytes"]) / t / 1e9
             continue
         ceil = wl.get(f"{CEILING_FOR_MODE[r['mode']]}|ceiling")

@@ -17,6 +17,14 @@ and is not timed. The serving modes:
   ``min(tol_ulps, QKNORM_TOL_ULPS)`` units of ``eps(dtype) * max|expected|`` (a float32 norm can round to
   the neighbour of the reference's rounded norm, which the rotation carries over: a couple of ulps), v
   heads bit-exact (untouched).
+* ``mla``, ``mla-fp8`` (:mod:`.mla`): q's rope part and k_pe against the float64 rotation of the workload's
+  q and k (as in place), q's nope part bit-exact (untouched), and the whole latent cache (rows not written
+  stay zero). Of q's dtype: kv_c's columns bit-exact, k_pe's within the ulp tolerance of the float64 k_pe.
+  fp8: within :data:`FP8_TOL_CODES` of ``quantize_fp8(cat(kv_c, k_pe_out), kv_scale)``, ``k_pe_out`` the
+  provider's own rotated k_pe (in q's dtype, checked against the reference above): the eager baseline
+  rotates in q's dtype (the HF formula), a few ulps of ``max|k|`` from the reference, which near zero is
+  many fp8 codes; against its own k_pe the cache shows whether the provider stored what it rotated, at
+  the right slots with the right scale (the fused op: ``quantize_fp8`` of its rounded k_pe, as cache-fp8).
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from torch import Tensor
 
 from rope_ext import reference
 
-from .workloads import Case, split_qkv
+from .presets import MLA_BLOCK_SIZE, MLA_MODES
+from .workloads import FP8_CACHE_DTYPE, Case, split_qkv
 
 __all__ = ["FP8_TOL_CODES", "QKNORM_TOL_ULPS", "check", "fp8_code_distance", "validate"]
 
@@ -59,10 +68,14 @@ def validate(case: Case, mode: str, out: tuple[Tensor, ...], tol_ulps: float) ->
 
 
 def check(case: Case, mode: str, out: tuple[Tensor, ...], tol_ulps: float) -> dict[str, Any]:
-    """``{"ok", "err_ulps"}``; for ``cache-fp8`` also ``err_fp8_codes``, and ``detail`` when v (which must
-    stay bit-exact) differs (see the module docstring)."""
+    """``{"ok", "err_ulps"}``; for ``cache-fp8`` and ``mla-fp8`` also ``err_fp8_codes``, and ``detail`` when
+    what must stay bit-exact (v, q's nope part, kv_c in the cache) differs (see the module docstring).
+    ``out``: the provider's ``(q, k)``; ``(q, k, key_cache, value_cache)`` (cache modes); ``(qkv,)``
+    (qknorm); ``(q [T, H, N + R], k_pe, kv_cache)`` (MLA modes)."""
     if mode == "qknorm":
         return _check_qknorm(case, out, tol_ulps)
+    if mode in MLA_MODES:
+        return _check_mla(case, mode == "mla-fp8", out, tol_ulps)
     eps = torch.finfo(case.dtype).eps
     if mode in ("cache", "cache-fp8"):
         if len(out) != 4:
@@ -167,3 +180,59 @@ def _check_qknorm(case: Case, out: tuple[Tensor, ...], tol_ulps: float) -> dict[
         worst = max(worst, _ulp_err(ov, ev, ev, eps))
         return {"ok": False, "err_ulps": worst, "detail": "v heads changed"}
     return {"ok": worst <= tol, "err_ulps": worst}
+
+
+def _expected_mla_cache(case: Case, fp8: bool) -> Tensor:
+    """The latent cache ``[num_slots, L + R]`` with ``cat(kv_c, k_pe_ref)`` at the slots, zeros elsewhere:
+    float64 of the float64 rotated k_pe; fp8 (as its bytes, uint8) of ``quantize_fp8(kv_c)``, the k_pe
+    columns left zero (:func:`_check_mla` fills them). Cached on the case."""
+    key = "mla-fp8" if fp8 else "mla"
+    if key not in case._expected:
+        s = case.mla
+        exp_k = case.expected("inplace")[1][:, 0]  # [T, R] float64
+        kv_c, slots = s.kv_c.cpu(), s.slot_mapping.cpu()
+        width = kv_c.shape[1] + case.rotary_dim
+        if fp8:
+            cache = torch.zeros(s.num_blocks * MLA_BLOCK_SIZE, width, dtype=torch.uint8)
+            rows = reference.quantize_fp8(kv_c, s.kv_scale.cpu(), FP8_CACHE_DTYPE)
+            cache[slots, : kv_c.shape[1]] = rows.view(torch.uint8)
+        else:
+            cache = torch.zeros(s.num_blocks * MLA_BLOCK_SIZE, width, dtype=torch.float64)
+            cache[slots] = torch.cat([kv_c.double(), exp_k], -1)
+        case._expected[key] = (cache,)
+    return case._expected[key][0]
+
+
+def _check_mla(case: Case, fp8: bool, out: tuple[Tensor, ...], tol_ulps: float) -> dict[str, Any]:
+    fail: dict[str, Any] = {"ok": False, "err_ulps": math.inf}
+    exp_q, exp_k = case.expected("inplace")  # the rope parts [T, H, R], [T, 1, R]
+    if len(out) != 3 or out[1].numel() != exp_k.numel():
+        return fail
+    q, k_pe, cache = (t.detach().cpu() for t in out)
+    m, eps = case.mla, torch.finfo(case.dtype).eps
+    n, latent = m.q_nope.shape[-1], m.kv_c.shape[-1]
+    k_pe = k_pe.reshape(exp_k.shape)
+    exp_cache = _expected_mla_cache(case, fp8)
+    want_dtype = FP8_CACHE_DTYPE if fp8 else case.dtype
+    if tuple(q.shape) != (*exp_q.shape[:2], n + exp_q.shape[-1]) or cache.dtype != want_dtype:
+        return fail
+    if cache.numel() != exp_cache.numel() or cache.shape[-1] != exp_cache.shape[-1]:
+        return fail
+    cache = cache.reshape(exp_cache.shape)
+    worst = max(_ulp_err(q[..., n:], exp_q, case.q, eps), _ulp_err(k_pe, exp_k, case.k, eps))
+    info: dict[str, Any] = {"err_ulps": worst}
+    if fp8:
+        own = reference.quantize_fp8(k_pe[:, 0].to(case.dtype), m.kv_scale.cpu(), FP8_CACHE_DTYPE)
+        exp = exp_cache.clone()
+        exp[m.slot_mapping.cpu(), latent:] = own.view(torch.uint8)
+        info["err_fp8_codes"] = codes = fp8_code_distance(cache, exp.view(FP8_CACHE_DTYPE))
+        info["ok"] = worst <= tol_ulps and codes <= FP8_TOL_CODES
+    else:
+        worst = max(worst, _ulp_err(cache[:, latent:], exp_cache[:, latent:], case.k, eps))
+        info.update(ok=worst <= tol_ulps, err_ulps=worst)
+        if not torch.equal(cache[:, :latent].double(), exp_cache[:, :latent]):
+            err = _ulp_err(cache[:, :latent], exp_cache[:, :latent], m.kv_c, eps)
+            info.update(ok=False, err_ulps=max(worst, err), detail="kv_c not bit-exact in the cache")
+    if not torch.equal(q[..., :n], m.q_nope.cpu()):
+        info.update(ok=False, detail="q's nope part changed")
+    return info

@@ -20,7 +20,8 @@ The serving modes (``cache``, ``cache-fp8``, ``qknorm``) add, built on first use
 q, k and v its views), a paged NHD KV cache (:meth:`Case.new_caches`: ``[num_blocks, KV_BLOCK_SIZE, Hkv,
 D]`` of q's dtype or float8_e4m3fn, zeroed), distinct int64 slots (a prefill: a random permutation of a
 cache of just its tokens; a decode step: random slots of ``DECODE_CACHE_SLOTS``), one-element float32
-``k_scale``/``v_scale`` (fp8 caches) and random QK-norm weights ``[D]`` of q's dtype.
+``k_scale``/``v_scale`` (fp8 caches) and random QK-norm weights ``[D]`` of q's dtype. The MLA modes (``mla``,
+``mla-fp8``; presets with an MLA shape) take theirs from :mod:`.mla` (:attr:`Case.mla`).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from torch import Tensor
 import rope_ext
 from rope_ext import reference
 
+from .mla import MlaInputs, mla_inputs, mla_shape
 from .presets import (
     DECODE_CACHE_SLOTS,
     DECODE_CONTEXT,
     KV_BLOCK_SIZE,
+    MLA_MODES,
     QKNORM_EPS,
     QKNORM_WEIGHT,
     Axes,
@@ -110,7 +113,7 @@ class Case:
     grad_k: Tensor
     cu_seqlens: Tensor | None = None  # int32 [N + 1]: a packed prefill of N sequences
     _expected: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
-    _serving: dict[str, ServingInputs] = field(default_factory=dict)  # built on first use, shared by copies
+    _serving: dict[str, Any] = field(default_factory=dict)  # built on first use, shared by copies
 
     @property
     def rotary_dim(self) -> int:
@@ -171,7 +174,12 @@ class Case:
         * ``inplace``, ``out``, ``backward``, ``qknorm``: q and k read and written once (``qknorm``: plus
           the two norm weights; v is not touched);
         * ``cache``, ``cache-fp8``: q and k read and written once, v read once, the cache rows of k and v
-          written once (:meth:`cache_bytes`) and the slot of each token (int64) read.
+          written once (:meth:`cache_bytes`) and the slot of each token (int64) read;
+        * ``mla``, ``mla-fp8`` (q and k are the rope parts ``q_pe [T, H, R]``, ``k_pe [T, 1, R]``): q's rope
+          part and k_pe read and written once, ``kv_c`` read once (:meth:`kv_c_bytes`), the latent cache rows
+          written once (:meth:`mla_cache_bytes`) and the slots read: ``2 T H R e + 2 T R e + T L e + T (L +
+          R) c + 8 T`` plus the cos/sin rows and positions (``e`` q's element size, ``c`` the cache's, ``L``
+          kv_lora_rank; q's nope part is not touched; see :mod:`.mla`).
         """
         qk = sum(self.qk_bytes())
         pos = self.positions.numel() * self.positions.element_size()
@@ -180,6 +188,8 @@ class Case:
             n += 2 * self.preset.head_dim * self.q.element_size()
         elif mode in ("cache", "cache-fp8"):
             n += self.v_bytes() + self.cache_bytes(mode == "cache-fp8") + 8 * self.tokens
+        elif mode in MLA_MODES:
+            n += self.kv_c_bytes() + self.mla_cache_bytes(mode == "mla-fp8") + 8 * self.tokens
         return n
 
     def qk_bytes(self) -> tuple[int, int]:
@@ -192,6 +202,23 @@ class Case:
     def cache_bytes(self, fp8: bool) -> int:
         """Bytes of the key and value cache rows one call writes (q's dtype, or one byte per value)."""
         return 2 * self.k.numel() * (1 if fp8 else self.k.element_size())
+
+    def kv_c_bytes(self) -> int:
+        """Bytes of the MLA modes' ``kv_c [T, kv_lora_rank]`` (q's dtype)."""
+        return self.tokens * mla_shape(self).kv_lora_rank * self.q.element_size()
+
+    def mla_cache_bytes(self, fp8: bool) -> int:
+        """Bytes of the latent cache rows one MLA call writes: ``kv_lora_rank + rotary_dim`` values a token
+        (q's dtype, or one byte per value)."""
+        width = mla_shape(self).kv_lora_rank + self.rotary_dim
+        return self.tokens * width * (1 if fp8 else self.q.element_size())
+
+    @property
+    def mla(self) -> MlaInputs:
+        """The MLA modes' extra inputs (:class:`~rope_ext.bench.mla.MlaInputs`), built on first use."""
+        if "mla" not in self._serving:
+            self._serving["mla"] = mla_inputs(self)
+        return self._serving["mla"]
 
     @property
     def serving(self) -> ServingInputs:

@@ -13,10 +13,14 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
   through rope_ext's op on the model's own cos / sin, once probes show the op computes what each function
   does; :data:`TESTED_DIFFUSERS_MODELS` are the models tested.
 * :mod:`.vllm` - :func:`rotary_embedding`, vLLM's in-place ``rotary_embedding(positions, query, key,
-  head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors, and
-  :func:`fused_qk_norm_rope`, vLLM's fused QK RMSNorm + rotary on a packed qkv, same argument order.
+  head_size, cos_sin_cache, is_neox)`` on flattened ``[num_tokens, num_heads * head_size]`` tensors,
+  :func:`fused_qk_norm_rope`, vLLM's fused QK RMSNorm + rotary on a packed qkv, and its MLA ops (DeepSeek's
+  rotary fused with ``concat_and_cache_mla``) :func:`concat_and_cache_mla_rope_fused` and
+  :func:`fuse_mla_decode_rope_q_concat_kv_insert`, same argument orders.
 * :mod:`.sglang` - :func:`apply_rope_with_cos_sin_cache_inplace` (sgl_kernel's signature) with the
   optional fused KV-buffer write of :class:`FusedSetKVBufferArg`.
+* :mod:`.flashinfer` - :func:`mla_rope_quantize_fp8`, FlashInfer's MLA RoPE + fp8 quantization (SGLang's
+  TRT-LLM MLA backend calls it), same argument order.
 * :mod:`.labml` - :class:`RotaryPositionalEmbeddings`, seq-first ``[seq, batch, heads, features]`` module
   rotating the first ``d`` features, half-split pairing (the layout of labml's annotated implementation).
 * :mod:`.meta` - :func:`apply_rotary_emb` / :func:`precompute_freqs_cis`, Meta's Llama complex form
@@ -29,6 +33,7 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
 from __future__ import annotations
 
 from .diffusers import TESTED_DIFFUSERS_MODELS, patch_diffusers, unpatch_diffusers
+from .flashinfer import mla_rope_quantize_fp8
 from .hf import (
     SUPPORTED_MODEL_TYPES,
     HFRotaryAdapter,
@@ -41,7 +46,12 @@ from .labml import RotaryPositionalEmbeddings
 from .meta import apply_rotary_emb, precompute_freqs_cis
 from .sglang import FusedSetKVBufferArg, apply_rope_with_cos_sin_cache_inplace
 from .torchtune import RotaryPositionalEmbeddings as TorchtuneRotaryPositionalEmbeddings
-from .vllm import fused_qk_norm_rope, rotary_embedding
+from .vllm import (
+    concat_and_cache_mla_rope_fused,
+    fuse_mla_decode_rope_q_concat_kv_insert,
+    fused_qk_norm_rope,
+    rotary_embedding,
+)
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -55,6 +65,9 @@ __all__ = [
     "supported_model_types",
     "rotary_embedding",
     "fused_qk_norm_rope",
+    "concat_and_cache_mla_rope_fused",
+    "fuse_mla_decode_rope_q_concat_kv_insert",
+    "mla_rope_quantize_fp8",
     "apply_rope_with_cos_sin_cache_inplace",
     "FusedSetKVBufferArg",
     "RotaryPositionalEmbeddings",

@@ -20,7 +20,17 @@ import torch
 from onnxscript import opset18 as op
 
 from .. import fakes as _fakes  # noqa: F401  (the fake kernels of the rope_ext ops)
-from ..specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_, QK_NORM_PACKED_, ROTARY, ROTARY_QK, ROTARY_QK_, OpSpec
+from ..specs import (
+    CACHE,
+    MLA_CACHE,
+    QK_NORM,
+    QK_NORM_,
+    QK_NORM_PACKED_,
+    ROTARY,
+    ROTARY_QK,
+    ROTARY_QK_,
+    OpSpec,
+)
 from ._graph import ExportError, cache_write, quantize, rms_norm, rotate, static_dim
 
 __all__ = ["TWINS", "functionalize", "translations"]

@@ -13,10 +13,21 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from .. import mla
 from ..presets import ALL_MODES
 from ..workloads import Case
 
-__all__ = ["FAMILIES", "PROVIDERS", "Builder", "Provider", "Runner", "Skip", "flat", "provider"]
+__all__ = [
+    "FAMILIES",
+    "PROVIDERS",
+    "Builder",
+    "Provider",
+    "Runner",
+    "Skip",
+    "flat",
+    "mla_tensors",
+    "provider",
+]
 
 
 class Skip(Exception):
@@ -33,7 +44,8 @@ class Provider:
 
     ``build(case)`` prepares its own copies of the inputs and returns a zero-argument callable, the
     thing that is timed; calling it returns the rotated ``(q, k)`` (for ``backward``: the gradients;
-    ``cache``, ``cache-fp8``: ``(q, k, key_cache, value_cache)``; ``qknorm``: ``(qkv,)``).
+    ``cache``, ``cache-fp8``: ``(q, k, key_cache, value_cache)``; ``qknorm``: ``(qkv,)``; ``mla``,
+    ``mla-fp8``: ``(q, k_pe, kv_cache)``, q the whole ``[T, H, nope + rope]``).
     It raises :class:`Skip` when the provider is not available.
     """
 
@@ -67,6 +79,14 @@ def provider(
 def flat(t: Tensor) -> Tensor:
     """``[T, H, D]`` viewed as ``[T, H * D]`` (the layout vLLM's and FlashInfer's ops take)."""
     return t.reshape(t.shape[0], -1)
+
+
+def mla_tensors(case: Case, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Fresh MLA inputs ``q, kv_c, k_pe, kv_cache`` (:func:`rope_ext.bench.mla.mla_tensors`); :class:`Skip`
+    on a preset without an MLA shape."""
+    if case.preset.mla is None:
+        raise Skip(f"{case.preset.name} has no MLA shape")
+    return mla.mla_tensors(case, fp8)
 
 
 # One module per provider family, imported (so registered) in this order: the order of a workload's rows.

@@ -12,6 +12,10 @@ Serving modes, on views q, k, v of a packed qkv:
   the copy on the caches' bytes, as CPU torch has no fp8 ``index_copy_``);
 * ``qknorm``: ``rope_ext`` is the fused ``rope_ext.apply_qk_norm_rotary_`` on the packed ``[T, (Hq +
   2 Hkv) * D]``; its unfused references are in :mod:`.hf`.
+
+MLA modes (``mla``, ``mla-fp8``; inputs :func:`rope_ext.bench.mla.mla_tensors`): ``rope_ext`` is the fused
+``rope_ext.apply_mla_rotary_and_cache_`` (q's rope part at ``rotary_offset = qk_nope_head_dim``, ``kv_scale``
+for the fp8 cache); its unfused references are in :mod:`.hf`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import rope_ext
 from rope_ext.reference import quantize_fp8
 
 from ..workloads import FP8_CACHE_DTYPE, Case, clones, split_qkv
-from . import Runner, Skip, provider
+from . import Runner, Skip, mla_tensors, provider
 
 
 @provider("rope_ext", "inplace")
@@ -137,6 +141,29 @@ for _mode, _fp8 in (("cache", False), ("cache-fp8", True)):
     provider("rope_ext", _mode)(_rope_ext_cache(_fp8))
     provider("rope_ext unfused", _mode, baseline=True)(_rope_ext_cache_unfused(_fp8))
 del _mode, _fp8
+
+
+def _rope_ext_mla(fp8: bool):
+    def build(case: Case) -> Runner:
+        q, kv_c, k_pe, cache = mla_tensors(case, fp8)
+        m = case.mla
+        pos, cs, slots = case.positions, case.cos_sin, m.slot_mapping
+        opts = {"rotary_offset": m.q_nope.shape[-1], "interleaved": case.interleaved}
+        if fp8:
+            opts["kv_scale"] = m.kv_scale
+        apply = rope_ext.apply_mla_rotary_and_cache_
+
+        def run() -> tuple[Tensor, ...]:
+            apply(q, kv_c, k_pe, pos, cs, cache, slots, **opts)
+            return q, k_pe, cache
+
+        return run
+
+    return build
+
+
+provider("rope_ext", "mla")(_rope_ext_mla(False))
+provider("rope_ext", "mla-fp8")(_rope_ext_mla(True))
 
 
 @provider("rope_ext", "qknorm")
