@@ -72,6 +72,9 @@ def parse_hf_config(config: Any, *, layer_type: str | None = None) -> tuple[int,
 
     head_dim = get("head_dim")
     if head_dim is None:
+        # MLA (DeepSeek-V2/V3, Kimi-K2): the rotated part of a head, which transformers calls head_dim
+        head_dim = get("qk_rope_head_dim")
+    if head_dim is None:
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         if hidden is None or heads is None:
             raise ValueError(

@@ -122,13 +122,6 @@ def test_from_hf_config_builds_the_deepseek_v3_yarn_table(tables):
     assert torch.equal(cache.inv_freq[0], plain[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the checkpoint's config.json as a plain dict has no head_dim: rope_ext reads hidden_size / "
-    "num_attention_heads = 7168 / 128 = 56 as the rotary dim; transformers' DeepseekV3Config sets "
-    "head_dim = qk_rope_head_dim = 64 (pass the config object, or a dict with head_dim)",
-)
 def test_from_hf_config_plain_config_json_dict():
     legacy = {
         "hidden_size": 7168,
