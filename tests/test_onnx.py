@@ -227,6 +227,34 @@ def _mla(fp8=False, **kw):
     return call
 
 
+def _rerotate_extra(layout="NHD", fp8=False):
+    """A cache, ``t - 1`` slots (one -1) and a shift per slot, of both signs."""
+
+    def extra(t):
+        g = torch.Generator().manual_seed(t + 13)
+        shape = (BLOCKS, BLOCK_SIZE, HK, D) if layout == "NHD" else (BLOCKS, HK, BLOCK_SIZE, D)
+        slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[: t - 1]
+        slots[1] = -1
+        delta = torch.randint(-P + 1, P, (t - 1,), generator=g)
+        out = {"key_cache": torch.randn(shape, generator=g), "slot_mapping": slots, "delta": delta}
+        if fp8:
+            out["k_scale"] = torch.tensor([0.05])
+        return out
+
+    return extra
+
+
+def _rerotate(fp8=False, **kw):
+    """The cached keys at the slots shifted (q and k pass through)."""
+
+    def call(q, k, p, cs, key_cache, slot_mapping, delta, **scales):
+        key_cache = key_cache.to(FP8) if fp8 else key_cache * 1  # not the model's input: shifts add up
+        rope_ext.rerotate_kv_cache_(key_cache, slot_mapping, delta, cs, **scales, **kw)
+        return q, k, key_cache.float()
+
+    return call
+
+
 CASES = [
     Case("rotary", _rotary()),
     Case("rotary-interleaved-partial", _rotary(interleaved=True), rd=8),
@@ -255,6 +283,10 @@ CASES = [
     Case("rotary_qk_cache_-2-axes", _cache(mrope_section=(5, 3)), axes=2, flat=True, rotary_embedding=0,
          extra=_cache_extra()),
     Case("mla_rotary_cache_", _mla(), rd=8, flat=True, extra=_mla_extra()),
+    Case("rerotate_kv_cache_-offset", _rerotate(rotary_offset=8), rd=8, flat=True, rotary_embedding=0,
+         extra=_rerotate_extra()),
+    Case("rerotate_kv_cache_-hnd-interleaved-fp8", _rerotate(fp8=True, layout="HND", interleaved=True),
+         flat=True, rotary_embedding=0, extra=_rerotate_extra("HND", fp8=True)),
     Case("mla_rotary_cache_-interleaved-fp8-q_out", _mla(fp8=True, interleaved=True), rd=8, flat=True,
          extra=_mla_extra(fp8=True, q_out=True)),
 ]  # fmt: skip
@@ -276,7 +308,7 @@ class Alone(torch.nn.Module):
 
     def dynamic(self) -> tuple:
         """AUTO for the token dims (q, k, positions, slot_mapping, q_out); tables, weights, caches static."""
-        extra = tuple({0: AUTO} if n in ("slot_mapping", "q_out") else None for n in self.names)
+        extra = tuple({0: AUTO} if n in ("slot_mapping", "q_out", "delta") else None for n in self.names)
         return ({0: AUTO}, {0: AUTO}, {int(bool(self.case.axes)): AUTO}, None) + ((extra,) if extra else ())
 
     def inputs(self, t: int) -> tuple:
@@ -362,7 +394,7 @@ def run_openvino(model, inputs) -> list[torch.Tensor]:
 def tolerance(case: Case, runtime: str, block: bool, output: int) -> tuple[float, float]:
     """``(relative to max|eager output|, relative to each element)`` for output ``output`` of ``case``
     (alone: q, k, then what the op writes; in the block: the block's output, then what the op writes)."""
-    if runtime == "openvino" and case.name.endswith("fp8-q_out") and output >= (1 if block else 2):
+    if runtime == "openvino" and case.name.endswith(("fp8-q_out", "-fp8")) and output >= (1 if block else 2):
         return 2**-9, 2**-3  # the fp8 values: OpenVINO converts to fp8 through float16 (two roundings)
     half = {torch.bfloat16: 2**-7, torch.float16: 2**-10}.get(case.dtype)  # one ulp, relative
     if half is not None:

@@ -21,6 +21,9 @@ What each op becomes:
   caches (NHD and HND; fp8 caches: Div by the scale, Clip, a saturating Cast, scattered through float32);
 * ``mla_rotary_cache_``: the rotations of q and k_pe, then kv_c and the rotated k_pe concatenated and
   scattered into the latent cache as above;
+* ``rerotate_kv_cache_``: the rows at the slots gathered (GatherND), rotated by the cos/sin row
+  ``|delta|`` of each token with the sin negated for a negative delta (fp8: dequantized, quantized back),
+  and scattered back;
 * in-place ops export as their functional form: what they write flows on in the graph (a written model
   input, such as a KV cache passed in, is an output only if ``forward`` returns it).
 

@@ -242,26 +242,81 @@ def cache_write(
     ``slot % block_size``; ``"NHD"`` caches ``[blocks, block_size, H, D]``, ``"HND"`` ``[blocks, H,
     block_size, D]``. fp8 caches are written through float32 (ScatterND has no fp8 types; the conversions
     both ways are exact)."""
+    tokens, index = _slot_rows(slots, cache, layout)
+    return _scatter(cache, index, quantize(op.Gather(x, tokens, axis=0), scale, cache.dtype))
+
+
+def _slot_rows(slots: ir.Value, cache: ir.Value, layout: str) -> tuple[ir.Value, ir.Value]:
+    """The tokens with a slot (``slots[t] >= 0``), and the ScatterND / GatherND index of their rows ``[N,
+    H, D]`` in a paged cache: ``[N, 2]`` (NHD), ``[N, H, 3]`` (HND)."""
     slots = op.Cast(slots, to=ir.DataType.INT64)
     tokens = op.Reshape(op.NonZero(op.GreaterOrEqual(slots, 0)), [-1])
     written = op.Gather(slots, tokens, axis=0)
-    rows = quantize(op.Gather(x, tokens, axis=0), scale, cache.dtype)
     bs_axis = 1 if layout == "NHD" else 2
     block_size = op.Gather(op.Shape(cache), bs_axis, axis=0)
     block, row = op.Div(written, block_size), op.Mod(written, block_size)
     if layout == "NHD":
-        index = op.Concat(op.Unsqueeze(block, [-1]), op.Unsqueeze(row, [-1]), axis=-1)  # [N, 2]
-    else:
-        heads = op.Gather(op.Shape(cache), 1, axis=0)
-        shape = op.Concat(op.Shape(written), op.Reshape(heads, [1]), _i64([1]), axis=0)  # [N, H, 1]
-        h = op.Reshape(op.Range(0, heads, 1), [1, -1, 1])
-        index = op.Concat(
-            op.Expand(op.Reshape(block, [-1, 1, 1]), shape),
-            op.Expand(h, shape),
-            op.Expand(op.Reshape(row, [-1, 1, 1]), shape),
-            axis=-1,
-        )  # [N, H, 3]
+        return tokens, op.Concat(op.Unsqueeze(block, [-1]), op.Unsqueeze(row, [-1]), axis=-1)
+    heads = op.Gather(op.Shape(cache), 1, axis=0)
+    shape = op.Concat(op.Shape(written), op.Reshape(heads, [1]), _i64([1]), axis=0)  # [N, H, 1]
+    h = op.Reshape(op.Range(0, heads, 1), [1, -1, 1])
+    index = op.Concat(
+        op.Expand(op.Reshape(block, [-1, 1, 1]), shape),
+        op.Expand(h, shape),
+        op.Expand(op.Reshape(row, [-1, 1, 1]), shape),
+        axis=-1,
+    )
+    return tokens, index
+
+
+def _scatter(cache: ir.Value, index: ir.Value, rows: ir.Value) -> ir.Value:
+    """ScatterND of rows of the cache's dtype; fp8 through float32 (ScatterND has no fp8 types; the
+    conversions both ways are exact)."""
     if cache.dtype in _FLOAT8:
         full = op.ScatterND(op.Cast(cache, to=ir.DataType.FLOAT), index, op.Cast(rows, to=ir.DataType.FLOAT))
         return op23.Cast(full, to=cache.dtype, saturate=1)
     return op.ScatterND(cache, index, rows)
+
+
+def rerotate_rows(
+    cache: ir.Value, slots: ir.Value, delta: ir.Value, cos_sin: ir.Value, scale: ir.Value | None, *,
+    layout: str, interleaved: bool, rotary_offset: int, op_name: str,
+) -> ir.Value:  # fmt: skip
+    """``cache`` with the rows at ``slots`` rotated by ``delta`` positions (rerotate_kv_cache_): the
+    rows gathered (GatherND; fp8 through float32), each token's cos/sin row ``|delta|`` gathered with the
+    sin negated for a negative delta, the rotated features computed in float32 (float64 for float64; fp8
+    dequantized times ``scale``) and rounded (fp8: quantized) once, the pass-through features kept as
+    stored, then scattered back."""
+    d = static_dim(cache.shape[-1], "head_dim (key_cache.shape[-1])", op_name)
+    rd = static_dim(cos_sin.shape[-1], "rotary_dim (cos_sin.shape[-1])", op_name)
+    h, off = rd // 2, rotary_offset
+    tokens, index = _slot_rows(slots, cache, layout)
+    every = op.Shape(op.Cast(slots, to=ir.DataType.INT64))  # delta: [T], or one for all
+    shift = op.Expand(op.Reshape(op.Cast(delta, to=ir.DataType.INT64), [-1]), every)
+    shift = op.Gather(shift, tokens, axis=0)
+    fp8 = cache.dtype in _FLOAT8
+    work = ir.DataType.FLOAT if fp8 else compute_dtype(cache.dtype)
+    rows = op.GatherND(op.Cast(cache, to=ir.DataType.FLOAT) if fp8 else cache, index)  # [N, H, D]
+    # the features before, the rotated ones, the features after (the non-empty ones), sliced at once
+    bounds = [0, *([off] if off else []), off + rd, *([d] if off + rd < d else [])]
+    pieces = _split(rows, bounds)
+    x = cast(pieces[1 if off else 0], work)
+    if fp8 and scale is not None:
+        x = op.Mul(x, op.Reshape(cast(scale, work), _i64([])))
+    table = op.Gather(cast(cos_sin, work), op.Abs(shift), axis=0)  # [N, rd]
+    c, s = (op.Unsqueeze(t, [1]) for t in _split(table, [0, h, rd]))  # [N, 1, h]
+    s = op.Where(op.Reshape(op.Less(shift, 0), [-1, 1, 1]), op.Neg(s), s)
+    if interleaved:
+        x1, x2 = (op.Squeeze(t, [-1]) for t in _split(op.Reshape(x, [0, 0, h, 2]), [0, 1, 2]))
+    else:
+        x1, x2 = _split(x, [0, h, rd])
+    y1 = op.Sub(op.Mul(x1, c), op.Mul(x2, s))
+    y2 = op.Add(op.Mul(x2, c), op.Mul(x1, s))
+    if interleaved:
+        y = op.Reshape(op.Concat(op.Unsqueeze(y1, [-1]), op.Unsqueeze(y2, [-1]), axis=-1), [0, 0, rd])
+    else:
+        y = op.Concat(y1, y2, axis=-1)
+    # fp8: quantized, then back to float32 (exact) beside the stored features; else rounded to the dtype
+    y = op.Cast(quantize(y, scale, cache.dtype), to=ir.DataType.FLOAT) if fp8 else cast(y, cache.dtype)
+    parts = [y if i == (1 if off else 0) else piece for i, piece in enumerate(pieces)]
+    return _scatter(cache, index, op.Concat(*parts, axis=-1) if len(parts) > 1 else y)

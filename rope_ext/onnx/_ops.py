@@ -26,16 +26,17 @@ from ..specs import (
     QK_NORM,
     QK_NORM_,
     QK_NORM_PACKED_,
+    REROTATE,
     ROTARY,
     ROTARY_QK,
     ROTARY_QK_,
     OpSpec,
 )
-from ._graph import ExportError, cache_write, quantize, rms_norm, rotate, static_dim
+from ._graph import ExportError, cache_write, quantize, rerotate_rows, rms_norm, rotate, static_dim
 
 __all__ = ["TWINS", "functionalize", "translations"]
 
-_INPLACE = (ROTARY_QK_, CACHE, MLA_CACHE, QK_NORM_, QK_NORM_PACKED_)
+_INPLACE = (ROTARY_QK_, CACHE, MLA_CACHE, REROTATE, QK_NORM_, QK_NORM_PACKED_)
 
 
 # The functional twins ------------------------------------------------------------------------------------
@@ -276,6 +277,18 @@ def _mla_rotary_cache_twin(*args, **kwargs):
     return op.Identity(a.q), k_rot, kv_cache, quantize(q_rot, q_scale, a.q_out.dtype)
 
 
+def _rerotate_kv_cache_twin(*args, **kwargs):
+    a = REROTATE.bind(args, kwargs)
+    name = "rerotate_kv_cache_"
+    if a.layout not in ("NHD", "HND"):
+        raise ExportError(f"rope_ext.onnx: {name}: layout={a.layout!r} is not 'NHD' or 'HND'")
+    fp8 = a.key_cache.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
+    return rerotate_rows(
+        a.key_cache, a.slot_mapping, a.delta, a.cos_sin, a.k_scale if fp8 else None, layout=a.layout,
+        interleaved=a.interleaved, rotary_offset=a.rotary_offset, op_name=name,
+    )  # fmt: skip
+
+
 def translations() -> dict:
     """Every op the exported graph can hold (the functional ops and the twins) -> its translation."""
     twins = {name: twin for name, (_, twin) in TWINS.items()}
@@ -288,4 +301,5 @@ def translations() -> dict:
         twins["qk_norm_rotary_packed_"]: _qk_norm_rotary_packed_twin,
         twins["rotary_qk_cache_"]: _rotary_qk_cache_twin,
         twins["mla_rotary_cache_"]: _mla_rotary_cache_twin,
+        twins["rerotate_kv_cache_"]: _rerotate_kv_cache_twin,
     }
