@@ -11,6 +11,8 @@ initcheck. Each case calls a public op once or twice on CUDA tensors, covering e
   dtype and fp8 q_out, packed q/k/v views, cache views, padding slots, MRoPE;
 * ``apply_mla_rotary_and_cache_``: latent caches of q's dtype and fp8, q_out of q's dtype and fp8, kv_c and
   k_pe as views of one projection, shapes no vector access fits, a DeepSeek-V3 decode step;
+* ``rerotate_kv_cache_``: float and fp8 caches, NHD and HND, shifts of both signs, one shift for all,
+  partial rotary, unaligned views, a decode step;
 * ``apply_qk_norm_rotary`` (and its backward) and the packed in-place ``apply_qk_norm_rotary_``;
 
 each on float32, bfloat16, float16 and float64, on shapes the 16-byte vector path takes and on unaligned
@@ -234,6 +236,36 @@ def _mla_cases() -> None:
             CASES[f"mla-{dname}-{vname}"] = lambda x, dtype=dtype, kw=kw: _mla_call(x, dtype, **kw)
 
 
+def _rerotate_call(
+    x: Inputs, dtype, *, t=6, hk=2, d=64, r=64, off=0, lead=0, layout="NHD", cache_dtype=None, block_size=4,
+    interleaved=False, one_delta=False,
+) -> list[torch.Tensor]:  # fmt: skip
+    nb = -(-(t + 2) // block_size)
+    cdt = dtype if cache_dtype is None else cache_dtype
+    shape = (nb, block_size, hk, d + lead) if layout == "NHD" else (nb, hk, block_size, d + lead)
+    cache = x.cache(shape, cdt)[..., lead:]
+    delta = x.positions(1 if one_delta else t) - P // 2  # both signs
+    rope_ext.rerotate_kv_cache_(
+        cache, x.slots(t, nb * block_size), delta, x.table(r), layout=layout, interleaved=interleaved,
+        k_scale=x.scale(0.37), rotary_offset=off,
+    )  # fmt: skip
+    return [cache]
+
+
+def _rerotate_cases() -> None:
+    variants = {
+        "nhd": {},
+        "hnd-interleaved-partial": dict(layout="HND", interleaved=True, r=32, off=16),
+        "e4m3": dict(cache_dtype=E4M3, one_delta=True),
+        "e5m2-hnd-interleaved": dict(cache_dtype=E5M2, layout="HND", interleaved=True),
+        "odd": dict(d=12, r=6, off=2, lead=1, block_size=3),
+        "decode": dict(t=1, hk=8, d=128, r=64, off=64, block_size=16),
+    }
+    for dname, dtype in DTYPES.items():
+        for vname, kw in variants.items():
+            CASES[f"rerotate-{dname}-{vname}"] = lambda x, dtype=dtype, kw=kw: _rerotate_call(x, dtype, **kw)
+
+
 def _norm_call(x: Inputs, dtype, *, t=5, heads=(4, 2, 2), d=64, r=64, off=0, lead=0, il=False, mrope=None):
     qkv = x.randn(t, sum(heads) * d, dtype=dtype, lead=lead, pad=lead)
     qw, kw = x.randn(d), x.randn(d, dtype=dtype)
@@ -275,6 +307,7 @@ def _norm_cases() -> None:
 _rotary_cases()
 _cache_cases()
 _mla_cases()
+_rerotate_cases()
 _norm_cases()
 
 

@@ -200,6 +200,13 @@ def _mla(t, cs):
     return [t["qkv"], t["mla"]]
 
 
+def _rerotate(t, cs):
+    # the keys of the bf16 cache shifted by per-token deltas of both signs (positions, every other negated)
+    sign = 1 - 2 * (torch.arange(T, device="cuda") % 2)
+    rope_ext.rerotate_kv_cache_(t["kc"], t["slots"], t["pos"] * sign, cs[D])
+    return [t["kc"]]
+
+
 def _qk_norm(t, cs):
     q, k, _ = _split(t["qkv"])
     return list(rope_ext.apply_qk_norm_rotary(q, k, t["qw"], t["kw"], t["pos"], cs[D], eps=1e-5))
@@ -221,6 +228,7 @@ CAPTURED = {  # op: (make's options, call)
     "cache-bf16": (dict(cache_dtype=torch.bfloat16), _cache_bf16),
     "cache-fp8": (dict(cache_dtype=torch.float8_e4m3fn, layout="HND", q8=True), _cache_fp8),
     "mla-fp8": (dict(cache_dtype=torch.bfloat16, mla=True), _mla),
+    "rerotate": (dict(cache_dtype=torch.bfloat16), _rerotate),
     "qk-norm": ({}, _qk_norm),
     "qk-norm-packed": ({}, _qk_norm_packed),
     "rotary-qk-inplace": ({}, _rotary_qk),
@@ -257,7 +265,7 @@ def test_graph_replay_equals_eager(op, checks):
         if checks:  # still checked outside capture
             bad = {n: t.clone() for n, t in static.items()}
             bad["pos"][3] = P
-            with pytest.raises(IndexError, match="positions"):
+            with pytest.raises(IndexError, match="positions|delta"):
                 call(bad, cs)
     finally:
         rope_ext.set_position_checks(False)
