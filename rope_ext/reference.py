@@ -443,3 +443,84 @@ def kv_cache_write(
         return out
 
     return store(k, key_cache, k_scale), store(v, value_cache, v_scale)
+
+
+# MLA (DeepSeek-V2/V3) rotary + latent-cache write -----------------------------------------------------
+
+__all__ += ["mla_cache_write"]
+
+
+def mla_cache_write(
+    q: Tensor,
+    kv_c: Tensor,
+    k_pe: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    rotary_offset: int = 0,
+    interleaved: bool = False,
+    kv_scale: Tensor | None = None,
+    q_out: Tensor | None = None,
+    q_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What ``rope_ext.apply_mla_rotary_and_cache_`` computes (vLLM's MLA rotary + ``concat_and_cache_mla``),
+    as new tensors: ``(q', k_pe', kv_cache')``. The inputs are not modified.
+
+    ``q [T, H, D]``, ``kv_c [T, L]``, ``k_pe [T, R]`` or ``[T, 1, R]`` of one float dtype; ``positions``
+    integer ``[T]``; ``cos_sin [P, R]``; ``kv_cache [num_blocks, block_size, L + R]`` of q's dtype or fp8;
+    ``slot_mapping`` integer ``[T']`` with ``T' <= T``: -1 or distinct slots in the cache, as for
+    :func:`kv_cache_write` (ValueError otherwise).
+
+    * ``q'``: float64 :func:`rotary_hadamard` of q (features ``[rotary_offset, rotary_offset + R)``
+      rotated, the others passed through); with ``q_out`` of q's dtype, the same (q_out's expected
+      values); with an fp8 ``q_out``, ``quantize_fp8(q' rounded to q's dtype, q_scale, q_out.dtype)``
+      (``q_scale`` None is 1.0; only q_out's dtype is read).
+    * ``k_pe'``: float64 :func:`rotary_hadamard` of k_pe (all R features, offset 0), of k_pe's shape.
+    * ``kv_cache'``: a clone of kv_cache where row ``slot_mapping[t]`` of ``kv_cache.view(-1, L + R)``
+      holds ``cat(kv_c[t], k_pe'[t] rounded to k_pe's dtype)`` for every token with a slot other than -1
+      (fp8: :func:`quantize_fp8` of each with ``kv_scale``, None is 1.0); the other rows keep their bits.
+      The rounding is the float64 value's (round to nearest even), which a float32 kernel can miss by an
+      ulp: compare an op's cache bit for bit only where its rotated k_pe has the same bits.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got {list(q.shape)}")
+    tokens = q.shape[0]
+    if not (k_pe.dim() == 2 or (k_pe.dim() == 3 and k_pe.shape[1] == 1)):
+        raise ValueError(f"k_pe must be [T, R] or [T, 1, R], got {list(k_pe.shape)}")
+    r = cos_sin.shape[-1]
+    if kv_c.dim() != 2 or kv_c.shape[0] != tokens or k_pe.shape[0] != tokens or k_pe.shape[-1] != r:
+        raise ValueError(
+            f"kv_c must be [T, L] and k_pe [T, R] (T = {tokens}, R = {r}), got {list(kv_c.shape)}, "
+            f"{list(k_pe.shape)}"
+        )
+    if not (kv_c.dtype == k_pe.dtype == q.dtype and q.dtype.is_floating_point) or q.dtype in FP8_MAX:
+        raise TypeError(
+            f"q, kv_c and k_pe must share one float dtype, got {q.dtype}, {kv_c.dtype}, {k_pe.dtype}"
+        )
+    if r % 2 or not 0 <= rotary_offset <= q.shape[-1] - r:
+        raise ValueError(f"rotary_offset={rotary_offset}, R={r} must fit in D={q.shape[-1]} (R even)")
+    lora = kv_c.shape[1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != lora + r:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {lora + r}], got {list(kv_cache.shape)}")
+    if q_out is not None and (q_out.shape != q.shape or q_out.dtype not in (q.dtype, *FP8_MAX)):
+        raise ValueError(f"q_out must be q's shape and dtype or fp8, got {list(q_out.shape)}, {q_out.dtype}")
+    pos = _token_positions(positions, tokens)
+    q_new = rotary_hadamard(q, pos, cos_sin, interleaved=interleaved, rotary_offset=rotary_offset)
+    if q_out is not None and q_out.dtype in FP8_MAX:
+        q_new = quantize_fp8(q_new.to(q.dtype), 1.0 if q_scale is None else q_scale, q_out.dtype)
+    k3 = k_pe.reshape(tokens, 1, r)
+    k_new = rotary_hadamard(k3, pos, cos_sin, interleaved=interleaved)
+    # The latent cache is two NHD caches of one head: columns [0, L) (kv_c) and [L, L + R) (k_pe).
+    rope_cols, lora_cols = kv_cache[:, :, None, lora:], kv_cache[:, :, None, :lora]
+    kc, vc = kv_cache_write(
+        k_new.to(k_pe.dtype),
+        kv_c[:, None],
+        rope_cols,
+        lora_cols,
+        slot_mapping,
+        k_scale=kv_scale,
+        v_scale=kv_scale,
+    )
+    return q_new, k_new.reshape(k_pe.shape), torch.cat([vc, kc], dim=-1)[:, :, 0]

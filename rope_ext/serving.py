@@ -57,6 +57,7 @@ def apply_rotary_qk_and_cache_(
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
     mrope_interleaved: bool = False,
+    inverse: bool = False,
 ) -> None:
     """Rotate q and k in place and write rotated k and v into a paged KV cache, in one pass.
 
@@ -82,14 +83,16 @@ def apply_rotary_qk_and_cache_(
       rotation rounded to q's dtype first, like k in its cache).
 
     ``positions`` ``[T]`` (``[n_axes, T]`` with ``mrope_section``, as :func:`rope_ext.apply_rotary`);
-    ``rotary_offset`` as there. One kernel launch on CUDA, no allocation and no host synchronisation
-    (CUDA-graph safe); one parallel pass over tokens on CPU. Every argument is checked before the
-    first write: on error q, k, v and both caches are unchanged. An inference op: no autograd.
+    ``rotary_offset`` as there. ``inverse=True`` rotates q (or q_out) by the negative angle; k is
+    rotated as always (it goes to the cache). One kernel launch on CUDA, no allocation and no host
+    synchronisation (CUDA-graph safe); one parallel pass over tokens on CPU. Every argument is checked
+    before the first write: on error q, k, v and both caches are unchanged. An inference op: no
+    autograd.
     """
     inputs = (q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping)
     options = (
         k_scale, v_scale, q_out, q_scale,
-        interleaved, layout, rotary_offset, mrope_section, mrope_interleaved,
+        interleaved, layout, rotary_offset, mrope_section, mrope_interleaved, inverse,
     )  # fmt: skip
     if (
         type(q) is type(k) is type(v) is type(positions) is type(slot_mapping) is Tensor
@@ -145,6 +148,7 @@ def apply_mla_rotary_and_cache_(
     kv_scale: Tensor | None = None,
     q_out: Tensor | None = None,
     q_scale: Tensor | None = None,
+    inverse: bool = False,
 ) -> None:
     """RoPE + MLA latent-cache write (DeepSeek-V2/V3, Kimi-K2), in one pass.
 
@@ -163,11 +167,12 @@ def apply_mla_rotary_and_cache_(
     Any strides with a contiguous last dim (kv_c and k_pe may be views of one projection output).
     Pairing half-split or ``interleaved`` (DeepSeek's checkpoints are interleaved; vLLM's DeepSeek
     models pass ``is_neox_style=False``). One kernel launch on CUDA, CUDA-graph safe; every argument is
-    checked before the first write. An inference op: no autograd. DeepSeek's yarn table:
+    checked before the first write. ``inverse=True`` rotates q by the negative angle (k_pe as always).
+    An inference op: no autograd. DeepSeek's yarn table:
     ``RopeCache.from_hf_config(config)`` with ``rotary_dim = qk_rope_head_dim``.
     """
     inputs = (q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping)
-    options = (kv_scale, q_out, q_scale, interleaved, rotary_offset)
+    options = (kv_scale, q_out, q_scale, interleaved, rotary_offset, inverse)
     if (
         type(q) is type(kv_c) is type(k_pe) is type(positions) is Tensor
         and type(kv_cache) is type(slot_mapping) is Tensor

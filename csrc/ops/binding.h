@@ -55,7 +55,7 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
                       const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                       const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved);
+                      const Sections& mrope_section, bool mrope_interleaved, bool inverse);
 
 // rope_ext::mla_rotary_cache_ (RoPE + MLA latent-cache write)
 void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv_c,
@@ -63,7 +63,7 @@ void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv
                        const Tensor& kv_cache, const Tensor& slot_mapping,
                        const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
                        const std::optional<Tensor>& q_scale, bool interleaved,
-                       int64_t rotary_offset);
+                       int64_t rotary_offset, bool inverse);
 
 // rope_ext::rerotate_kv_cache_: its checks and kernel parameters
 // (rerotate_binding.cpp), and the op.
@@ -111,7 +111,8 @@ inline void rotary_qk_cache_scaled(const Backend& b, const Tensor& q, const Tens
                                    const Tensor& slot_mapping, const Tensor& k_scale,
                                    const Tensor& v_scale) {
   rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
-                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false);
+                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false,
+                   false);
 }
 inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
@@ -119,7 +120,7 @@ inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tenso
                                   const Tensor& slot_mapping) {
   rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0,
-                   std::nullopt, false);
+                   std::nullopt, false, false);
 }
 inline void qk_norm_rotary_packed_plain(const Backend& b, const Tensor& qkv, int64_t num_heads_q,
                                         int64_t num_heads_k, int64_t num_heads_v,
@@ -183,14 +184,15 @@ rope::CacheParams make_mla_cache_params(const Tensor& q, const Tensor& kv_c, con
                                         const std::optional<Tensor>& kv_scale,
                                         const std::optional<Tensor>& q_out,
                                         const std::optional<Tensor>& q_scale, bool interleaved,
-                                        int64_t rotary_offset);
+                                        int64_t rotary_offset, bool inverse = false);
 rope::CacheParams make_cache_params(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
     const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
     const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
+    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved,
+    bool inverse = false);
 rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,
                                   const Tensor& q_weight, const Tensor& k_weight,
                                   const Tensor& positions, const Tensor& cos_sin, double eps,

@@ -45,7 +45,7 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor? k_scale=None, "
       "Tensor? v_scale=None, Tensor(e!)? q_out=None, Tensor? q_scale=None, "
       "bool interleaved=False, str layout=\"NHD\", int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False) -> ()");
   // RoPE + MLA latent-cache write (DeepSeek-V2/V3): q [T, H, D] rotated in
   // place at features [rotary_offset, rotary_offset + rotary_dim) (into q_out
   // instead when given, the other features copied, of q's dtype or fp8 with
@@ -57,7 +57,7 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "mla_rotary_cache_(Tensor(a!) q, Tensor kv_c, Tensor(b!) k_pe, Tensor positions, "
       "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale=None, "
       "Tensor(d!)? q_out=None, Tensor? q_scale=None, bool interleaved=False, "
-      "int rotary_offset=0) -> ()");
+      "int rotary_offset=0, bool inverse=False) -> ()");
   // Re-rotation of cached keys: every head of the key stored at slot
   // slot_mapping[t] of key_cache ("NHD" [blocks, block_size, Hk, D] or "HND"
   // [blocks, Hk, block_size, D], a float dtype or fp8 with k_scale) rotated in

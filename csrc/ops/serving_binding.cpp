@@ -83,7 +83,8 @@ rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const T
                                const std::optional<Tensor>& v_scale, const Arg* qo,
                                const std::optional<Tensor>& q_scale, bool interleaved,
                                const std::string& layout, int64_t rotary_offset,
-                               const Sections& mrope_section, bool mrope_interleaved, bool mla) {
+                               const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+                               bool mla) {
   const CacheNames& n = mla ? kMlaNames : kGqaNames;
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, n.k, "[T, Hk, D]");
@@ -121,6 +122,7 @@ rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const T
   check_tokens(cp.rope, T);
   cp.k_dim = mla ? cp.rope.rotary_dim : cp.rope.head_dim;
   cp.k_rot_offset = mla ? 0 : cp.rope.rot_offset;
+  cp.q_inverse = inverse;
   const int64_t Dk = cp.k_dim;
   const float* qs = scale_ptr(q_scale, "q_scale", q);
   if (q_fp8 != rope::Fp8::kNone) {
@@ -244,20 +246,20 @@ rope::CacheParams make_cache_params(
     const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
+    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved, bool inverse) {
   const Arg q(q_t), k(k_t), v(v_t), key_cache(key_cache_t), value_cache(value_cache_t);
   std::optional<Arg> q_out_arg;
   if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
   return cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
                       v_scale, q_out_arg ? &*q_out_arg : nullptr, q_scale, interleaved, layout,
-                      rotary_offset, mrope_section, mrope_interleaved, false);
+                      rotary_offset, mrope_section, mrope_interleaved, inverse, false);
 }
 
 rope::CacheParams make_mla_cache_params(
     const Tensor& q_t, const Tensor& kv_c_t, const Tensor& k_pe_t, const Tensor& positions,
     const Tensor& cos_sin, const Tensor& kv_cache_t, const Tensor& slot_mapping,
     const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
-    const std::optional<Tensor>& q_scale, bool interleaved, int64_t rotary_offset) {
+    const std::optional<Tensor>& q_scale, bool interleaved, int64_t rotary_offset, bool inverse) {
   const Arg q(q_t), kv_c(kv_c_t), k_pe(k_pe_t), kv_cache(kv_cache_t);
   for (const auto& [x, name] : {std::pair{&q, "q"}, {&kv_c, "kv_c"}, {&k_pe, "k_pe"}})
     ROPE_CHECK(TypeError, x->defined(), name, " must be a tensor, got None");
@@ -278,6 +280,12 @@ rope::CacheParams make_mla_cache_params(
   ROPE_CHECK(ValueError, R <= 1 || k_pe.stride(k_pe.dim() - 1) == 1,
              "k_pe must have a contiguous last dim (stride 1), got strides ",
              shape_str(k_pe.strides()));
+  // (a table the rotation rejects is reported by its own check)
+  if (cos_sin.defined() && cos_sin.dim() == 2 && cos_sin.size(1) > 0 && cos_sin.size(1) % 2 == 0)
+    ROPE_CHECK(ValueError, R == cos_sin.size(1),
+               "k_pe.shape[-1] must be rotary_dim (cos_sin.shape[-1] = ", cos_sin.size(1),
+               "), got ", R);
+  check_no_self_overlap(k_pe.layout(), "k_pe");
   ROPE_CHECK(ValueError, kv_cache.dim() == 3,
              "kv_cache must be [num_blocks, block_size, kv_lora_rank + rotary_dim], got shape ",
              shape_str(kv_cache.sizes()));
@@ -301,7 +309,7 @@ rope::CacheParams make_mla_cache_params(
   if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
   return cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, kv_scale,
                       kv_scale, q_out_arg ? &*q_out_arg : nullptr, q_scale, interleaved, "NHD",
-                      rotary_offset, std::nullopt, false, true);
+                      rotary_offset, std::nullopt, false, inverse, true);
 }
 
 void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what) {
@@ -349,10 +357,10 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
                       const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                       const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved) {
+                      const Sections& mrope_section, bool mrope_interleaved, bool inverse) {
   run_cache(make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
                               k_scale, v_scale, q_out, q_scale, interleaved, layout, rotary_offset,
-                              mrope_section, mrope_interleaved),
+                              mrope_section, mrope_interleaved, inverse),
             q, backend);
 }
 
@@ -361,9 +369,9 @@ void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv
                        const Tensor& kv_cache, const Tensor& slot_mapping,
                        const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
                        const std::optional<Tensor>& q_scale, bool interleaved,
-                       int64_t rotary_offset) {
+                       int64_t rotary_offset, bool inverse) {
   run_cache(make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping,
-                                  kv_scale, q_out, q_scale, interleaved, rotary_offset),
+                                  kv_scale, q_out, q_scale, interleaved, rotary_offset, inverse),
             q, backend);
 }
 

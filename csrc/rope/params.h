@@ -139,6 +139,9 @@ struct CacheParams {
   // one head size: rope.head_dim and rope.rot_offset.
   int k_dim;
   int k_rot_offset;
+  // q rotates by the negative angle (rope.inverse stays false: k is rotated
+  // for the cache as always).
+  bool q_inverse;
   // q_out in fp8 (q_fp8 != kNone): q is read only and its rotation, rounded to
   // q's dtype then quantized with q_scale, goes to q8 [T, Hq, D].
   Fp8 q_fp8;

@@ -20,7 +20,11 @@ against the two-op eager path, validated on q, k and both caches, ``% ceil`` aga
 references, validated against :func:`rope_ext.reference.qk_norm_rotary`) and, on presets with an MLA shape
 (``deepseek-v3``), ``mla`` / ``mla-fp8`` (RoPE + MLA latent-cache write: fused
 ``rope_ext.apply_mla_rotary_and_cache_`` against the eager and ``torch.compile`` unfused path a server
-writes by hand, validated on q, k_pe and the cache, ``% ceil`` against ``stream mla``).
+writes by hand, validated on q, k_pe and the cache, ``% ceil`` against ``stream mla``) and, on every preset,
+``rerotate`` / ``rerotate-fp8`` (the keys of T tokens in a paged KV cache of q's dtype / float8_e4m3fn
+rotated in place by per-token shifts: ``rope_ext.rerotate_kv_cache_`` against the eager and ``torch.compile``
+gather-rotate-scatter a server writes by hand, validated on the whole cache, ``% ceil`` against ``stream
+rerotate``).
 
 The parts:
 
@@ -30,11 +34,13 @@ The parts:
 * :mod:`.workloads` - :class:`Config`, one workload's inputs (:class:`Case`, :func:`make_case`; the
   serving modes' :class:`ServingInputs`), input sets;
 * :mod:`.mla` - the MLA modes' inputs (:class:`MlaInputs`), bytes and unfused reference;
+* :mod:`.rerotate` - the rerotate modes' inputs (:class:`RerotateInputs`), bytes, unfused reference and
+  float64 expected cache;
 * :mod:`.providers` - the registry (:func:`provider`, :class:`Provider`, :class:`Skip`) and one module per
   provider family (rope_ext, the HF references, the vision / diffusion models' own RoPE code, vLLM,
   FlashInfer, flash-attn, Liger);
 * :mod:`.ceilings` - what the machine does with the same bytes (in-place stream, clone, copy, no-op op,
-  tiny kernel; the serving modes' ``stream cache``, ``stream mla``);
+  tiny kernel; the serving modes' ``stream cache``, ``stream mla``, ``stream rerotate``);
 * :mod:`.parts` - pieces of a provider's work timed on their own (``varlen_positions``);
 * :mod:`.timing` - blocked CPU timing, CUDA events with the L2 flushed, statistics, allocator modes;
 * :mod:`.validation` - the check against the float64 reference (the serving modes': their references and
@@ -64,6 +70,7 @@ from .presets import (
     MODES,
     PREFILL_TOKENS,
     PRESETS,
+    REROTATE_MODES,
     SERVING_MODES,
     VISION_TARGETS,
     Axes,
@@ -83,6 +90,7 @@ from .report import (
     write_csv,
     write_json,
 )
+from .rerotate import RerotateInputs, rerotate_unfused_
 from .runner import machine_info, run_benchmark
 from .timing import Timer, set_cpu_allocator
 from .validation import check, validate
@@ -115,6 +123,7 @@ __all__ = [
     "PREFILL_TOKENS",
     "PRESETS",
     "PROVIDERS",
+    "REROTATE_MODES",
     "SERVING_FLOORS",
     "SERVING_MODES",
     "TABLE_COLUMNS",
@@ -127,6 +136,7 @@ __all__ = [
     "MlaInputs",
     "Preset",
     "Provider",
+    "RerotateInputs",
     "Runner",
     "ServingInputs",
     "Skip",
@@ -152,6 +162,7 @@ __all__ = [
     "plot",
     "print_table",
     "provider",
+    "rerotate_unfused_",
     "run_benchmark",
     "set_cpu_allocator",
     "split_qkv",

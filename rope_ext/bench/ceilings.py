@@ -30,6 +30,14 @@ Only when the run has the MLA modes (``mla``, ``mla-fp8``), on presets with an M
   rope`` values a token in q's dtype, or one byte each for fp8; caches of q's dtype: the rest is the k_pe
   columns, written alone; fp8: the rest of kv_c, read alone). q's nope part is not streamed: the op does
   not touch it.
+
+Only when the run has the rerotate modes (``rerotate``, ``rerotate-fp8``; every preset):
+
+* ``stream rerotate`` / ``stream rerotate-fp8``: ``a.mul_(1.0)`` on one float32 buffer of the bytes of the
+  cache rows' rotated features (``T * Hk * rotary_dim`` values in q's dtype, or one byte each for fp8;
+  :func:`~rope_ext.bench.rerotate.rerotate_row_bytes`): those bytes read and written once in place, the
+  minimum traffic of the op without its slots and deltas (:mod:`.rerotate`). q and k are not streamed: the
+  op does not touch them.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from typing import Any
 
 import torch
 
-from .presets import MLA_MODES
+from .presets import MLA_MODES, REROTATE_MODES
+from .rerotate import rerotate_row_bytes
 from .workloads import Case, clones
 
 __all__ = ["CEILING_FOR_MODE", "SERVING_STREAMS", "ceiling_bytes", "ceilings", "noop_op"]
@@ -106,8 +115,11 @@ def _stream_parts(case: Case, name: str) -> tuple[int, int]:
 
 def ceiling_bytes(case: Case, name: str) -> int:
     """The bytes a ceiling streams (its GB/s counts them): q and k read and written for the q/k ceilings;
-    ``stream cache`` (``stream mla``): that, v (kv_c) read and the cache rows written."""
+    ``stream cache`` (``stream mla``): that, v (kv_c) read and the cache rows written; ``stream rerotate``:
+    the cache rows' rotated features read and written, without q and k."""
     qk = sum(case.qk_bytes())
+    if name.startswith("stream rerotate"):
+        return 2 * rerotate_row_bytes(case, name == "stream rerotate-fp8")
     if name in SERVING_STREAMS:
         return 2 * qk + sum(_stream_parts(case, name))
     return 2 * qk
@@ -119,7 +131,8 @@ def ceilings(case: Case, modes: Sequence[str] = ()) -> dict[str, Callable[[], An
     The streaming ceilings use one float32 buffer of q's plus k's bytes (one parallel region per call,
     as the rotary op itself), so they measure the machine, not torch's kernels for a dtype. ``modes``:
     the run's modes; ``cache`` and ``cache-fp8`` add their ``stream cache`` ceilings, ``mla`` and
-    ``mla-fp8`` their ``stream mla`` ones (presets with an MLA shape).
+    ``mla-fp8`` their ``stream mla`` ones (presets with an MLA shape), ``rerotate`` and ``rerotate-fp8``
+    their ``stream rerotate`` ones.
     """
     nq, nk = case.qk_bytes()
     dev = case.device
@@ -146,6 +159,10 @@ def ceilings(case: Case, modes: Sequence[str] = ()) -> dict[str, Callable[[], An
         if mode in modes and (mode not in MLA_MODES or case.preset.mla is not None):
             name = CEILING_FOR_MODE[mode]
             out[name] = _stream_cache(case, *_stream_parts(case, name))
+    for mode in REROTATE_MODES:
+        if mode in modes:
+            rows = torch.ones(max(rerotate_row_bytes(case, mode == "rerotate-fp8") // 4, 1), device=dev)
+            out[CEILING_FOR_MODE[mode]] = lambda rows=rows: rows.mul_(1.0)
     return out
 
 
@@ -159,6 +176,15 @@ CEILING_FOR_MODE = {
     "qknorm": "stream in-place",
     "mla": "stream mla",
     "mla-fp8": "stream mla-fp8",
+    "rerotate": "stream rerotate",
+    "rerotate-fp8": "stream rerotate-fp8",
 }
 # The serving modes' own streams: a row of one of them counts (and reports) the bytes it streams.
-SERVING_STREAMS = ("stream cache", "stream cache-fp8", "stream mla", "stream mla-fp8")
+SERVING_STREAMS = (
+    "stream cache",
+    "stream cache-fp8",
+    "stream mla",
+    "stream mla-fp8",
+    "stream rerotate",
+    "stream rerotate-fp8",
+)

@@ -79,7 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, of {','.join(ALL_MODES)}; the serving modes run only when named: cache "
         "(RoPE + paged KV-cache write, caches of q's dtype), cache-fp8 (float8_e4m3fn caches with k/v "
         "scales), qknorm (QK-RMSNorm + RoPE on a packed qkv), mla (RoPE + MLA latent-cache write, a cache "
-        "of q's dtype; presets with an MLA shape: deepseek-v3), mla-fp8 (float8_e4m3fn cache with kv_scale)",
+        "of q's dtype; presets with an MLA shape: deepseek-v3), mla-fp8 (float8_e4m3fn cache with kv_scale), "
+        "rerotate (the keys of T tokens in a paged KV cache of q's dtype rotated in place by per-token "
+        "shifts, every preset), rerotate-fp8 (float8_e4m3fn cache with k_scale)",
     )
     ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

@@ -21,6 +21,7 @@ __all__ = [
     "Mla",
     "QKNORM_EPS",
     "QKNORM_WEIGHT",
+    "REROTATE_MODES",
     "SERVING_MODES",
     "PREFILL_TOKENS",
     "PRESETS",
@@ -209,14 +210,17 @@ DTYPES = {
 }
 MODES = ("inplace", "out", "backward")  # the default --mode
 # The serving fusions, run only when --mode names them: RoPE + paged KV-cache write (caches of q's dtype,
-# or float8_e4m3fn with k/v scales), QK-RMSNorm + RoPE on a packed qkv, and RoPE + MLA latent-cache write
-# (a cache of q's dtype, or float8_e4m3fn with kv_scale; presets with an MLA shape only).
+# or float8_e4m3fn with k/v scales), QK-RMSNorm + RoPE on a packed qkv, RoPE + MLA latent-cache write
+# (a cache of q's dtype, or float8_e4m3fn with kv_scale; presets with an MLA shape only), and the keys of a
+# paged KV cache rotated in place by per-token shifts (a cache of q's dtype, or float8_e4m3fn with k_scale;
+# every preset).
 MLA_MODES = ("mla", "mla-fp8")
-SERVING_MODES = ("cache", "cache-fp8", "qknorm", *MLA_MODES)
+REROTATE_MODES = ("rerotate", "rerotate-fp8")
+SERVING_MODES = ("cache", "cache-fp8", "qknorm", *MLA_MODES, *REROTATE_MODES)
 ALL_MODES = MODES + SERVING_MODES
-# Paged KV cache of the cache modes: NHD blocks of KV_BLOCK_SIZE tokens (vLLM's default); a prefill's
-# cache holds just its tokens (slots a random permutation of them), a decode step's DECODE_CACHE_SLOTS
-# slots (its tokens written to random distinct ones).
+# Paged KV cache of the cache and rerotate modes: NHD blocks of KV_BLOCK_SIZE tokens (vLLM's default); a
+# prefill's cache holds just its tokens (slots a random permutation of them), a decode step's
+# DECODE_CACHE_SLOTS slots (its tokens written to, or re-rotated at, random distinct ones).
 KV_BLOCK_SIZE = 16
 # The MLA modes' latent cache [num_blocks, MLA_BLOCK_SIZE, kv_lora_rank + rope]: blocks of 64 tokens (what
 # vLLM's FlashMLA backend requires), slots drawn as for the KV cache.

@@ -13,11 +13,13 @@ The serving modes count their own bytes (:meth:`~rope_ext.bench.workloads.Case.b
 ``stream cache`` / ``stream cache-fp8`` (those bytes streamed; see :mod:`.ceilings`); ``qknorm`` against
 ``stream in-place`` (its q and k heads read and written); ``mla`` / ``mla-fp8`` count q's rope part and k_pe
 read and written, kv_c read, the latent cache rows written and the slots read (:mod:`.mla`), ``% ceil``
-against ``stream mla`` / ``stream mla-fp8``. Their ``vs eager`` is against the mode's unfused eager path
+against ``stream mla`` / ``stream mla-fp8``; ``rerotate`` / ``rerotate-fp8`` count the cache rows' rotated
+features read and written and the slots and deltas read (:mod:`.rerotate`), ``% ceil`` against ``stream
+rerotate`` / ``stream rerotate-fp8``. Their ``vs eager`` is against the mode's unfused eager path
 (``rope_ext unfused``, ``eager unfused``); the summary adds the ratio to ``torch.compile unfused``
-(``qknorm``, MLA modes), a decode step's ratio to ``rope_ext`` in place on the same tokens (for the MLA
-modes: the rotation of the same q_pe and k_pe), and whether the issue's floors are met
-(:data:`SERVING_FLOORS`).
+(``qknorm``, MLA and rerotate modes), a decode step's ratio to ``rope_ext`` in place on the same tokens (for
+the MLA modes: the rotation of the same q_pe and k_pe; for the rerotate modes: of the q and k of as many
+tokens), and whether the issue's floors are met (:data:`SERVING_FLOORS`).
 
 Vision and diffusion presets (``axes``): ``vs eager`` is against ``model-eager`` (the model's own RoPE code,
 diffusers' or transformers'), and the summary gives rope_ext's ratios to ``model-compile`` and
@@ -182,8 +184,9 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
             "serving modes: cache bytes add v read, cache rows written, slots read; % ceil vs 'stream "
             "cache[-fp8]' (those bytes streamed), qknorm vs 'stream in-place' (q, k heads); mla bytes: q's "
             "rope part and k_pe read + written, kv_c read, latent cache rows written, slots read, % ceil vs "
-            "'stream mla[-fp8]'; vs eager: the unfused eager path (rope_ext unfused / eager unfused) time / "
-            "time.",
+            "'stream mla[-fp8]'; rerotate bytes: the cache rows' rotated features read + written, slots and "
+            "deltas read, % ceil vs 'stream rerotate[-fp8]'; vs eager: the unfused eager path (rope_ext "
+            "unfused / eager unfused) time / time.",
             file=file,
         )
     for line in summary(result):
@@ -407,6 +410,8 @@ CEILING_STYLE = {
     "stream cache-fp8": ("-.", "gray"),
     "stream mla": (":", "tab:blue"),
     "stream mla-fp8": (":", "tab:cyan"),
+    "stream rerotate": ("-.", "tab:green"),
+    "stream rerotate-fp8": ("-.", "tab:olive"),
 }
 
 

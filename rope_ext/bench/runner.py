@@ -5,10 +5,11 @@ from other processes hits them alike; the median over all rounds is reported wit
 percentiles). Parts (:mod:`.parts`, e.g. ``varlen_positions`` of a packed workload) are timed in the same
 rounds and reported as a fraction of the rotation they feed.
 
-The serving modes (``cache``, ``cache-fp8``, ``qknorm``, ``mla``, ``mla-fp8``) run on the same workloads,
-after the other modes' rows, each against its own baseline (the unfused eager path) and ceiling; ``qknorm``
-and MLA rows also carry ``speedup_vs_compile`` (the ``torch.compile unfused`` time over theirs). The MLA
-modes run on presets with an MLA shape only (a note names the presets they skipped).
+The serving modes (``cache``, ``cache-fp8``, ``qknorm``, ``mla``, ``mla-fp8``, ``rerotate``, ``rerotate-fp8``)
+run on the same workloads, after the other modes' rows, each against its own baseline (the unfused eager path)
+and ceiling; ``qknorm``, MLA and rerotate rows also carry ``speedup_vs_compile`` (the ``torch.compile
+unfused`` time over theirs). The MLA modes run on presets with an MLA shape only (a note names the presets
+they skipped); the rerotate modes on every preset.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import rope_ext
 
 from .ceilings import CEILING_FOR_MODE, SERVING_STREAMS, ceiling_bytes, ceilings
 from .parts import PART_OF, parts
-from .presets import MLA_MODES, MODES, SERVING_MODES, dtype_name
+from .presets import MLA_MODES, MODES, REROTATE_MODES, SERVING_MODES, dtype_name
 from .providers import PROVIDERS, Provider, Skip
 from .timing import Timer, set_cpu_allocator, stats
 from .validation import check
@@ -214,7 +215,7 @@ def run_benchmark(
 # The mode whose baseline ("vs eager") each mode's rows are compared with; a serving mode, its own.
 BASELINE_MODE = {"inplace": "out", "out": "out", "backward": "backward"}
 # The compiled unfused reference of a mode, whose time over a row's is its speedup_vs_compile.
-COMPILED_REF = {m: f"torch.compile unfused|{m}" for m in ("qknorm", *MLA_MODES)}
+COMPILED_REF = {m: f"torch.compile unfused|{m}" for m in ("qknorm", *MLA_MODES, *REROTATE_MODES)}
 # Presets with the model's own RoPE code (axes): their rotary rows' eager baseline is model-eager (not the
 # HF formula) and their speedup_vs_compile is against model-compile.
 MODEL_EAGER, MODEL_COMPILE = "model-eager|out", "model-compile|out"

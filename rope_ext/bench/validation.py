@@ -25,6 +25,13 @@ and is not timed. The serving modes:
   rotates in q's dtype (the HF formula), a few ulps of ``max|k|`` from the reference, which near zero is
   many fp8 codes; against its own k_pe the cache shows whether the provider stored what it rotated, at
   the right slots with the right scale (the fused op: ``quantize_fp8`` of its rounded k_pe, as cache-fp8).
+* ``rerotate``, ``rerotate-fp8`` (:mod:`.rerotate`): the whole cache against
+  :func:`~rope_ext.bench.rerotate.expected_cache` (the stored rows rotated by ``delta`` in float64). Of q's
+  dtype: within the ulp tolerance, in units of ``eps(dtype) * max|k|``. fp8: within :data:`FP8_TOL_CODES` of
+  ``quantize_fp8`` of the float64 rotation of the dequantized rows (the op rotates in float32: its value can
+  round to the neighbouring code at a rounding boundary); ``err_ulps`` there in units of ``eps(e4m3) *
+  max|k|`` (one fp8 rounding of the largest key). Both: rows not at the slots and the pass-through features
+  of a partial rotary bit-exact (untouched).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from torch import Tensor
 
 from rope_ext import reference
 
-from .presets import MLA_BLOCK_SIZE, MLA_MODES
+from .presets import MLA_BLOCK_SIZE, MLA_MODES, REROTATE_MODES
+from .rerotate import expected_cache
 from .workloads import FP8_CACHE_DTYPE, Case, split_qkv
 
 __all__ = ["FP8_TOL_CODES", "QKNORM_TOL_ULPS", "check", "fp8_code_distance", "validate"]
@@ -71,9 +79,11 @@ def check(case: Case, mode: str, out: tuple[Tensor, ...], tol_ulps: float) -> di
     """``{"ok", "err_ulps"}``; for ``cache-fp8`` and ``mla-fp8`` also ``err_fp8_codes``, and ``detail`` when
     what must stay bit-exact (v, q's nope part, kv_c in the cache) differs (see the module docstring).
     ``out``: the provider's ``(q, k)``; ``(q, k, key_cache, value_cache)`` (cache modes); ``(qkv,)``
-    (qknorm); ``(q [T, H, N + R], k_pe, kv_cache)`` (MLA modes)."""
+    (qknorm); ``(q [T, H, N + R], k_pe, kv_cache)`` (MLA modes); ``(key_cache,)`` (rerotate modes)."""
     if mode == "qknorm":
         return _check_qknorm(case, out, tol_ulps)
+    if mode in REROTATE_MODES:
+        return _check_rerotate(case, mode == "rerotate-fp8", out, tol_ulps)
     if mode in MLA_MODES:
         return _check_mla(case, mode == "mla-fp8", out, tol_ulps)
     eps = torch.finfo(case.dtype).eps
@@ -235,4 +245,30 @@ def _check_mla(case: Case, fp8: bool, out: tuple[Tensor, ...], tol_ulps: float) 
             info.update(ok=False, err_ulps=max(worst, err), detail="kv_c not bit-exact in the cache")
     if not torch.equal(q[..., :n], m.q_nope.cpu()):
         info.update(ok=False, detail="q's nope part changed")
+    return info
+
+
+def _check_rerotate(case: Case, fp8: bool, out: tuple[Tensor, ...], tol_ulps: float) -> dict[str, Any]:
+    exp = expected_cache(case, fp8)  # [num_slots, Hk, D]: float64, or fp8
+    want_dtype = FP8_CACHE_DTYPE if fp8 else case.dtype
+    if len(out) != 1 or out[0].dtype != want_dtype or out[0].numel() != exp.numel():
+        return {"ok": False, "err_ulps": math.inf}
+    got = out[0].detach().cpu().reshape(exp.shape)
+    s = case.rerotate
+    # what the op must not touch: the rows not at the slots, the pass-through features of the rows at them
+    untouched = torch.ones(exp.shape[:-1], dtype=torch.bool)
+    untouched[s.slot_mapping.cpu()] = False
+    r = case.rotary_dim
+    if fp8:
+        fe = torch.finfo(FP8_CACHE_DTYPE).eps
+        err = _ulp_err(got.float() * float(s.k_scale), exp.float() * float(s.k_scale), case.k, fe)
+        codes = fp8_code_distance(got, exp)
+        info: dict[str, Any] = {"ok": codes <= FP8_TOL_CODES, "err_ulps": err, "err_fp8_codes": codes}
+        got_b, exp_b = got.view(torch.uint8), exp.view(torch.uint8)
+    else:
+        err = _ulp_err(got, exp, case.k, torch.finfo(case.dtype).eps)
+        info = {"ok": err <= tol_ulps, "err_ulps": err}
+        got_b, exp_b = got.double(), exp
+    if not (torch.equal(got_b[untouched], exp_b[untouched]) and torch.equal(got_b[..., r:], exp_b[..., r:])):
+        info.update(ok=False, detail="rows or features not rotated changed")
     return info

@@ -21,7 +21,9 @@ q, k and v its views), a paged NHD KV cache (:meth:`Case.new_caches`: ``[num_blo
 D]`` of q's dtype or float8_e4m3fn, zeroed), distinct int64 slots (a prefill: a random permutation of a
 cache of just its tokens; a decode step: random slots of ``DECODE_CACHE_SLOTS``), one-element float32
 ``k_scale``/``v_scale`` (fp8 caches) and random QK-norm weights ``[D]`` of q's dtype. The MLA modes (``mla``,
-``mla-fp8``; presets with an MLA shape) take theirs from :mod:`.mla` (:attr:`Case.mla`).
+``mla-fp8``; presets with an MLA shape) take theirs from :mod:`.mla` (:attr:`Case.mla`), the rerotate modes
+(``rerotate``, ``rerotate-fp8``: a cache holding k, per-token shifts) from :mod:`.rerotate`
+(:attr:`Case.rerotate`).
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ from .presets import (
     MLA_MODES,
     QKNORM_EPS,
     QKNORM_WEIGHT,
+    REROTATE_MODES,
     Axes,
     Preset,
 )
+from .rerotate import RerotateInputs, rerotate_bytes, rerotate_inputs
 
 __all__ = [
     "FP8_CACHE_DTYPE",
@@ -179,8 +183,14 @@ class Case:
           part and k_pe read and written once, ``kv_c`` read once (:meth:`kv_c_bytes`), the latent cache rows
           written once (:meth:`mla_cache_bytes`) and the slots read: ``2 T H R e + 2 T R e + T L e + T (L +
           R) c + 8 T`` plus the cos/sin rows and positions (``e`` q's element size, ``c`` the cache's, ``L``
-          kv_lora_rank; q's nope part is not touched; see :mod:`.mla`).
+          kv_lora_rank; q's nope part is not touched; see :mod:`.mla`);
+
+        except ``rerotate``, ``rerotate-fp8``, which touch neither q nor k (nor count cos/sin rows): the
+        rotated features of the cache rows read and written once and one slot and one delta (int64) read per
+        token, ``2 T Hk R c + 16 T`` (``c`` the cache's element size; :mod:`.rerotate`).
         """
+        if mode in REROTATE_MODES:
+            return rerotate_bytes(self, mode == "rerotate-fp8")
         qk = sum(self.qk_bytes())
         pos = self.positions.numel() * self.positions.element_size()
         n = 2 * qk + self.tokens * self.rotary_dim * self.cos_sin.element_size() + pos
@@ -219,6 +229,14 @@ class Case:
         if "mla" not in self._serving:
             self._serving["mla"] = mla_inputs(self)
         return self._serving["mla"]
+
+    @property
+    def rerotate(self) -> RerotateInputs:
+        """The rerotate modes' inputs (:class:`~rope_ext.bench.rerotate.RerotateInputs`), built on first
+        use."""
+        if "rerotate" not in self._serving:
+            self._serving["rerotate"] = rerotate_inputs(self)
+        return self._serving["rerotate"]
 
     @property
     def serving(self) -> ServingInputs:

@@ -250,7 +250,7 @@ def _rotary_qk_cache_twin(*args, **kwargs):
     if a.layout not in ("NHD", "HND"):
         raise ExportError(f"rope_ext.onnx: {name}: layout={a.layout!r} is not 'NHD' or 'HND'")
     opts = {**_rotation_options(a), "inverse": False}
-    q_rot = rotate(a.q, a.positions, a.cos_sin, op_name=name, **opts)
+    q_rot = rotate(a.q, a.positions, a.cos_sin, op_name=name, **(opts | {"inverse": a.inverse}))
     k_rot = rotate(a.k, a.positions, a.cos_sin, op_name=name, **opts)
     fp8 = a.key_cache.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
     key_cache = cache_write(k_rot, a.key_cache, a.slot_mapping, a.k_scale if fp8 else None, a.layout)
@@ -265,7 +265,8 @@ def _mla_rotary_cache_twin(*args, **kwargs):
     a = MLA_CACHE.bind(args, kwargs)
     name = "mla_rotary_cache_"
     opts = {"interleaved": a.interleaved, "inverse": False}
-    q_rot = rotate(a.q, a.positions, a.cos_sin, op_name=name, rotary_offset=a.rotary_offset, **opts)
+    q_opts = opts | {"inverse": a.inverse, "rotary_offset": a.rotary_offset}
+    q_rot = rotate(a.q, a.positions, a.cos_sin, op_name=name, **q_opts)
     k_rot = rotate(a.k_pe, a.positions, a.cos_sin, op_name=name, **opts)
     # the cache rows [T, kv_lora_rank + rotary_dim]: kv_c, then the rotated k_pe
     rows = op.Concat(a.kv_c, op.Reshape(k_rot, [0, -1]), axis=-1)

@@ -31,7 +31,7 @@ std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor po
                                          std::optional<Tensor> q_scale, bool interleaved,
                                          std::string layout, int64_t num_sms, bool force_scalar,
                                          int64_t rotary_offset, Sections mrope_section,
-                                         bool mrope_interleaved);
+                                         bool mrope_interleaved, bool inverse);
 
 // rope_ext::_cuda_emulated_mla: the CUDA body of mla_rotary_cache_, as
 // cuda_emulated_cache.
@@ -39,7 +39,8 @@ std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tenso
                                        Tensor cos_sin, Tensor kv_cache, Tensor slot_mapping,
                                        std::optional<Tensor> kv_scale, std::optional<Tensor> q_out,
                                        std::optional<Tensor> q_scale, bool interleaved,
-                                       int64_t rotary_offset, int64_t num_sms, bool force_scalar);
+                                       int64_t rotary_offset, int64_t num_sms, bool force_scalar,
+                                       bool inverse);
 
 // rope_ext::_cuda_emulated_rerotate: the CUDA body of rerotate_kv_cache_ (slots
 // outside the cache and shifts outside the table skipped, as on the GPU).

@@ -145,7 +145,7 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
   const RopeParams r = slice_tokens(p, begin, end);
   const int64_t n = end - begin, hq = p.t[0].n_heads, D = p.head_dim;
   // k rotates apart from q when its features differ from q's (MLA's k_pe) or q goes to fp8.
-  const bool k_apart = cp.k_dim != p.head_dim || cp.k_rot_offset != p.rot_offset;
+  const bool k_apart = cp.k_dim != p.head_dim || cp.k_rot_offset != p.rot_offset || cp.q_inverse;
   if (cp.q_fp8 == Fp8::kNone && !k_apart) {
     rotate_tokens(r, 0, n);
   } else {
@@ -160,6 +160,7 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
     if (k_apart) {
       RopeParams rq = r;  // q alone
       rq.n_tensors = 1;
+      rq.inverse = cp.q_inverse;
       rotate_tokens(rq, 0, n);
     }
   } else {
@@ -168,6 +169,7 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
     scratch.resize(size_t(n * hq * D));
     RopeParams rq = r;
     rq.n_tensors = 1;
+    rq.inverse = cp.q_inverse;
     RotTensor& t = rq.t[0];
     t.out = scratch.data();
     t.copy_pass = true;

@@ -184,6 +184,10 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
         // the rotary kernel does, they would not fit in the registers beside the cache's state.
         A cv[P], sv[P];
         unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
+        if (ti == 0 && cp.q_inverse) {
+          ROPE_UNROLL
+          for (int k = 0; k < P; ++k) sv[k] = -sv[k];
+        }
         if (Interleaved) {
           constexpr bool VecPairs = Vectorized && (2 * P == V);
           T y[2 * P];

@@ -26,6 +26,17 @@ cast once, outside the timed call:
 * ``torch.compile unfused``: that function compiled whole (and warmed up at build), the copies and the put
   in the graph: unlike ``qknorm``'s, this measured faster on the CPU than compiling the pure part and
   copying eagerly (about 10% for a prefill, 20-30% for a decode step).
+
+Rerotate modes (``rerotate``, ``rerotate-fp8``), what a server without the op writes by hand
+(:func:`rope_ext.bench.rerotate.rerotate_unfused_`: the rows at the slots gathered from the cache viewed as
+``[num_slots, Hk, D]`` (fp8: its bytes), dequantized to float32 for the fp8 cache, rotated with the HF formula
+by each token's shift (cos and sin of ``|delta|``, sin negated for a negative delta; in the cache's dtype, or
+float32 for fp8), requantized and put back with ``index_copy_``), cos/sin gathered and cast once, outside the
+timed call (as for the MLA modes: a context shift applies the same shifts to every layer's cache):
+
+* ``eager unfused`` (the baseline): that function run eagerly;
+* ``torch.compile unfused``: that function compiled whole (and warmed up at build), gather and put in the
+  graph, as for the MLA modes.
 """
 
 from __future__ import annotations
@@ -42,7 +53,8 @@ import rope_ext
 
 from ..baselines import hf_apply_rotary_pos_emb
 from ..mla import mla_rotary_cache_unfused_
-from ..presets import MLA_MODES
+from ..presets import MLA_MODES, REROTATE_MODES
+from ..rerotate import rerotate_tensors, rerotate_unfused_, shift_cos_sin
 from ..workloads import Case
 from . import Runner, Skip, mla_tensors, provider
 
@@ -207,3 +219,40 @@ for _mode in MLA_MODES:
     provider("eager unfused", _mode, baseline=True)(_mla_unfused(_mode == "mla-fp8", compiled=False))
     provider("torch.compile unfused", _mode)(_mla_unfused(_mode == "mla-fp8", compiled=True))
 del _mode
+
+
+def _rerotate_unfused(fp8: bool, compiled: bool):
+    def build(case: Case) -> Runner:
+        if compiled and case.device.type == "cpu" and not _have_cxx():
+            raise Skip("torch.compile on CPU needs a C++ compiler")
+        cache = rerotate_tensors(case, fp8)
+        s = case.rerotate
+        cos, sin = shift_cos_sin(case, torch.float32 if fp8 else case.dtype)
+        rows = (cache.view(torch.uint8) if fp8 else cache).view(-1, *cache.shape[2:])
+        args = (rows, s.slot_mapping, cos, sin, case.interleaved)
+        args += (s.k_scale, cache.dtype) if fp8 else ()
+        fn: Callable[..., Any] = rerotate_unfused_
+        if compiled:
+            key = ("rerotate", *rows.shape, case.tokens, fp8, case.rotary_dim, case.interleaved, case.dtype)
+            key += (case.device.type,)
+            if key not in _compiled:
+                _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True)
+                _raise_recompile_limits()
+            fn = _compiled[key]
+            fn(*args)  # compile and warm up here, not in the first timed call; then the cache as it was
+            cache.copy_(rerotate_tensors(case, fp8))
+
+        def run() -> tuple[Tensor, ...]:
+            fn(*args)
+            return (cache,)
+
+        return run
+
+    return build
+
+
+for _mode in REROTATE_MODES:
+    _fp8 = _mode == "rerotate-fp8"
+    provider("eager unfused", _mode, baseline=True)(_rerotate_unfused(_fp8, compiled=False))
+    provider("torch.compile unfused", _mode)(_rerotate_unfused(_fp8, compiled=True))
+del _mode, _fp8

@@ -16,6 +16,10 @@ Serving modes, on views q, k, v of a packed qkv:
 MLA modes (``mla``, ``mla-fp8``; inputs :func:`rope_ext.bench.mla.mla_tensors`): ``rope_ext`` is the fused
 ``rope_ext.apply_mla_rotary_and_cache_`` (q's rope part at ``rotary_offset = qk_nope_head_dim``, ``kv_scale``
 for the fp8 cache); its unfused references are in :mod:`.hf`.
+
+Rerotate modes (``rerotate``, ``rerotate-fp8``; inputs :mod:`rope_ext.bench.rerotate`): ``rope_ext`` is
+``rope_ext.rerotate_kv_cache_`` on a fresh copy of the cache with the per-token int64 deltas (``k_scale`` for
+the fp8 cache); its unfused references (gather, rotate, ``index_copy_``) are in :mod:`.hf`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import Tensor
 import rope_ext
 from rope_ext.reference import quantize_fp8
 
+from ..rerotate import rerotate_tensors
 from ..workloads import FP8_CACHE_DTYPE, Case, clones, split_qkv
 from . import Runner, Skip, mla_tensors, provider
 
@@ -164,6 +169,27 @@ def _rope_ext_mla(fp8: bool):
 
 provider("rope_ext", "mla")(_rope_ext_mla(False))
 provider("rope_ext", "mla-fp8")(_rope_ext_mla(True))
+
+
+def _rope_ext_rerotate(fp8: bool):
+    def build(case: Case) -> Runner:
+        cache = rerotate_tensors(case, fp8)
+        s = case.rerotate
+        slots, delta, cs = s.slot_mapping, s.delta, case.cos_sin
+        opts = {"interleaved": case.interleaved, **({"k_scale": s.k_scale} if fp8 else {})}
+        apply = rope_ext.rerotate_kv_cache_
+
+        def run() -> tuple[Tensor, ...]:
+            apply(cache, slots, delta, cs, **opts)
+            return (cache,)
+
+        return run
+
+    return build
+
+
+provider("rope_ext", "rerotate")(_rope_ext_rerotate(False))
+provider("rope_ext", "rerotate-fp8")(_rope_ext_rerotate(True))
 
 
 @provider("rope_ext", "qknorm")
