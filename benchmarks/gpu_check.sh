@@ -76,7 +76,7 @@ step bench 120 bench alone "${BENCH_COMMON[@]}" --dtype bf16,fp32 --pairing both
   --decode-tokens 1,64 --mode inplace,out,backward \
   --json "$OUTDIR/bench.json" --csv "$OUTDIR/bench.csv" --plot "$OUTDIR/bench.png"
 step bench-serving 60 bench alone "${BENCH_COMMON[@]}" --dtype bf16 --pairing model --tokens 4096 \
-  --decode-tokens 1,64 --mode cache,cache-fp8,qknorm \
+  --decode-tokens 1,64 --mode cache,cache-fp8,qknorm,rerotate,rerotate-fp8 \
   --json "$OUTDIR/bench-serving.json" --csv "$OUTDIR/bench-serving.csv"
 step bench-mla 40 bench alone "${BENCH_COMMON[@]/llama-3-8b/deepseek-v3}" --dtype bf16 --pairing model \
   --tokens 4096 --decode-tokens 1,64 --mode inplace,mla,mla-fp8 \

@@ -1,8 +1,8 @@
-"""``inverse=True`` on the cache ops (issue: DeepSeek-V4-style attention rotates back by the query's position):
-q (or q_out) is rotated by the negative angle, k (k_pe) as always, since it goes to the cache. Checked bit for
-bit against the rotation op (``apply_rotary(..., inverse=True)`` for q, the forward rotation for k), on the CPU
-op and on the CUDA body run on the host (vector and scalar paths), with q in place, q_out of q's dtype and fp8
-q_out, both pairings, partial rotary at an offset."""
+"""``inverse=True`` on the cache ops (DeepSeek-V4-style attention rotates back by the query's position): q
+(or q_out) is rotated by the negative angle, k (k_pe) as always, since it goes to the cache. Checked bit for
+bit against the rotation op (``apply_rotary(..., inverse=True)`` for q, the forward rotation for k), on the
+CPU op and on the CUDA body run on the host (vector and scalar paths), with q in place, q_out of q's dtype
+and fp8 q_out, both pairings, partial rotary at an offset."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def test_mla_op_rotates_q_back_and_k_pe_forward(il, q_out, backend):
         )  # fmt: skip
     else:
         OPS._cuda_emulated_mla(
-            q, kv_c, k_pe, pos, cs, cache, slots, None, qo, SCALE, il, OFF, 4, backend == "emulated-scalar", True
+            q, kv_c, k_pe, pos, cs, cache, slots, None, qo, SCALE, il, OFF, 4, backend == "emulated-scalar",
+            True,
         )
     want_q = _expected_q(q0, pos, cs, il, q_out)
     k_fwd = rope_ext.apply_rotary(k0, pos, cs, interleaved=il)
@@ -112,7 +113,8 @@ def test_inverse_undoes_the_forward_cache_rotation_of_q():
     q0 = q.clone()
     kc, vc = torch.zeros(4, 8, HK, D, dtype=torch.float64), torch.zeros(4, 8, HK, D, dtype=torch.float64)
     rope_ext.apply_rotary_qk_and_cache_(q, k.clone(), v, pos, cs, kc, vc, slots, rotary_offset=OFF)
-    rope_ext.apply_rotary_qk_and_cache_(q, k.clone(), v, pos, cs, kc, vc, slots, rotary_offset=OFF, inverse=True)
+    back = dict(rotary_offset=OFF, inverse=True)
+    rope_ext.apply_rotary_qk_and_cache_(q, k.clone(), v, pos, cs, kc, vc, slots, **back)
     torch.testing.assert_close(q, q0, rtol=0, atol=1e-14)
 
 
@@ -132,6 +134,7 @@ def test_inverse_traces_and_passes_opcheck():
         return q, k, kc
 
     eager = f(q.clone(), k.clone(), kc.clone(), vc.clone())
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q.clone(), k.clone(), kc.clone(), vc.clone())
+    compiled_f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled = compiled_f(q.clone(), k.clone(), kc.clone(), vc.clone())
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)

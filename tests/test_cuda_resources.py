@@ -31,6 +31,7 @@ CEILING = {
     "rotary_kernel": (64, 8),
     "cache_kernel": (80, 0),
     "norm_kernel": (80, 0),
+    "rerotate_kernel": (64, 0),
 }
 
 
@@ -72,7 +73,7 @@ def instances() -> list[tuple[str, str, int, int]]:
 
 
 def kernel(name: str) -> str:
-    return re.search(r"(rotary_kernel|cache_kernel|norm_kernel)", name).group(1)
+    return re.search(r"(rotary_kernel|cache_kernel|norm_kernel|rerotate_kernel)", name).group(1)
 
 
 def test_every_kernel_is_listed():

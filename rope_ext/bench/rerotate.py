@@ -183,11 +183,13 @@ def expected_cache(case: Case, fp8: bool) -> Tensor:
             rows = cache.view(torch.uint8)[slots].view(cache.dtype).double() * float(s.k_scale)
         else:
             rows = cache[slots].double()
-        pos = delta.abs()[:, None]
-        kw = {"interleaved": case.interleaved}
-        fwd = reference.rotary_hadamard(rows, pos, cs, **kw)
-        inv = reference.rotary_hadamard(rows, pos, cs, inverse=True, **kw)
-        rotated = torch.where((delta < 0)[:, None, None], inv, fwd)
+        rotated = torch.empty_like(rows)
+        for back in (False, True):  # a negative delta: the inverse rotation by |delta|
+            m = (delta < 0) == back
+            pos = delta[m].abs()[:, None]
+            rotated[m] = reference.rotary_hadamard(
+                rows[m], pos, cs, interleaved=case.interleaved, inverse=back
+            )
         if fp8:
             out = cache.view(torch.uint8).clone()
             out[slots] = reference.quantize_fp8(rotated, s.k_scale.cpu(), cache.dtype).view(torch.uint8)
