@@ -153,7 +153,7 @@ def _serving_qk(a: Any, q: Tensor, k: Tensor) -> None:
 def _one_per_token(positions: Tensor, q: Tensor) -> None:
     shape = positions_shape(positions.shape, q.shape[:-1], "q", token_major=True)
     T = q.shape[0]
-    # as the kernels' check: one token takes any positions that broadcast ([1] included)
+    # as the kernels' check: one token takes any positions that broadcast, [1] included
     per_token = T <= 1 or (len(shape) == 2 and shape[-1] == 1 and shape[0] == T)
     expanded = len(shape) == 2 and shape[0] != 1 and positions.stride(0) == 0
     if not per_token or expanded:

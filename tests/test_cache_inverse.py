@@ -96,7 +96,7 @@ def test_mla_op_rotates_q_back_and_k_pe_forward(il, q_out, backend):
         OPS._cuda_emulated_mla(
             q, kv_c, k_pe, pos, cs, cache, slots, None, qo, SCALE, il, OFF, 4, backend == "emulated-scalar",
             True,
-        )
+        )  # fmt: skip
     want_q = _expected_q(q0, pos, cs, il, q_out)
     k_fwd = rope_ext.apply_rotary(k0, pos, cs, interleaved=il)
     assert torch.equal(_bits(q if qo is None else qo), _bits(want_q))

@@ -313,6 +313,63 @@ def _mla_cache(rank, world_size):
     return True
 
 
+def _rerotate(rank, world_size):
+    """``rerotate_kv_cache_`` on DTensors: the key cache sharded on its head dim (Shard(2) NHD, Shard(1) HND)
+    or replicated, slot_mapping, delta, cos_sin and k_scale replicated; each equal to the single-device
+    result, placements kept. Float (one shift per token, some slots -1, half-split) and fp8 (interleaved,
+    rotary_offset, k_scale), through the API and the bare op; the API's int delta too."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import rope_ext
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    R = Replicate()
+    g = torch.Generator().manual_seed(5)
+    NB, BS, HK, D, T = 3, 4, 4, 32, 8
+    cs = rope_ext.RopeCache(16, max_positions=64).cos_sin.to(DEVICE)
+    slots = torch.cat([torch.randperm(NB * BS, generator=g)[: T - 2], torch.tensor([-1, -1])]).to(DEVICE)
+    delta = torch.randint(-63, 64, (T,), generator=g).to(DEVICE)
+    f8, u8 = torch.float8_e4m3fn, torch.uint8
+    scale = torch.tensor([0.5], device=DEVICE)
+
+    def d(t, pl):  # a clone: a replicated DTensor shares its tensor's memory, and every call mutates
+        return distribute_tensor(t.clone(), mesh, [pl])
+
+    for fp8 in (False, True):
+        dtype = f8 if fp8 else torch.float32
+        kw = dict(interleaved=True, rotary_offset=8) if fp8 else {}
+        for layout, heads in (("NHD", 2), ("HND", 1)):
+            shape = (NB, BS, HK, D) if layout == "NHD" else (NB, HK, BS, D)
+            cache = (torch.randn(shape, generator=g) * 4).to(DEVICE).to(dtype)
+            for shift in (delta, 3):
+                want = cache.clone()
+                k_scale = scale if fp8 else None
+                rope_ext.rerotate_kv_cache_(want, slots, shift, cs, layout=layout, k_scale=k_scale, **kw)
+                for pl in (Shard(heads), R):
+                    for call in ("api", "op") if shift is delta else ("api",):
+                        dc = d(cache.view(u8), pl).view(dtype) if fp8 else d(cache, pl)
+                        ds = shift if isinstance(shift, int) else d(shift, R)
+                        dk = d(scale, R) if fp8 else None
+                        args = (dc, d(slots, R), ds, d(cs, R))
+                        if call == "api":
+                            rope_ext.rerotate_kv_cache_(*args, layout=layout, k_scale=dk, **kw)
+                        else:
+                            torch.ops.rope_ext.rerotate_kv_cache_(*args, k_scale=dk, layout=layout, **kw)
+                        assert tuple(dc.placements) == (pl,), (fp8, layout, pl, call)
+                        if fp8:  # this rank's heads (gloo gathers no fp8)
+                            mine = want.chunk(world_size, dim=heads)[rank] if pl != R else want
+                            same = torch.equal(dc.to_local().view(u8), mine.view(u8))
+                        else:
+                            same = torch.equal(dc.full_tensor(), want)
+                        assert same, (fp8, layout, pl, call, shift)
+    return True
+
+
+@pytest.mark.slow
+def test_rerotate_on_two_ranks():
+    assert run_ranks(_rerotate, 2, timeout=240) == [True, True]
+
+
 @pytest.mark.slow
 def test_mla_cache_on_two_ranks():
     assert run_ranks(_mla_cache, 2, timeout=240) == [True, True]
@@ -360,6 +417,7 @@ def test_rules_are_registered_on_import():
         "qk_norm_rotary_",
         "rotary_qk_cache_",
         "mla_rotary_cache_",
+        "rerotate_kv_cache_",
         "qk_norm_rotary_packed_",
     ):
         packet = getattr(torch.ops.rope_ext, op)

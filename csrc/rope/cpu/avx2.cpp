@@ -193,7 +193,7 @@ struct Avx2Head : ScalarTable {
       const __m256 s = _mm256_mul_ps(load(h + j), sg);
       if (Interleaved) {
         // c0 c0 c1 c1 .. and -s0 s0 -s1 s1 ..
-        const __m256 ns = _mm256_sub_ps(_mm256_setzero_ps(), s);
+        const __m256 ns = _mm256_xor_ps(s, _mm256_set1_ps(-0.0f));  // -s (0 - s would make -0 +0)
         const __m256 clo = _mm256_unpacklo_ps(c, c), chi = _mm256_unpackhi_ps(c, c);
         const __m256 slo = _mm256_unpacklo_ps(ns, s), shi = _mm256_unpackhi_ps(ns, s);
         _mm256_storeu_ps(tab + 2 * j, _mm256_permute2f128_ps(clo, chi, 0x20));

@@ -227,7 +227,8 @@ struct Avx512Head : ScalarTable {
       for (int j = 0; j < h; j += 16) {
         const __m512 c = load(j);
         const __m512 sv = _mm512_mul_ps(load(h + j), sg);
-        const __m512 ns = _mm512_sub_ps(_mm512_setzero_ps(), sv);
+        const __m512 ns = _mm512_castsi512_ps(  // -s (0 - s would make -0 +0)
+            _mm512_xor_si512(_mm512_castps_si512(sv), _mm512_set1_epi32(int(0x80000000u))));
         // c0 c0 c1 c1 .. and -s0 s0 -s1 s1 ..
         _mm512_storeu_ps(tab + 2 * j, _mm512_permutexvar_ps(dup_lo, c));
         _mm512_storeu_ps(tab + 2 * j + 16, _mm512_permutexvar_ps(dup_hi, c));

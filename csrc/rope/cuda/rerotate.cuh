@@ -28,7 +28,8 @@ inline Launch plan_rerotate_launch(const RerotateParams& rp, int64_t num_sms,
   const int64_t ppu = p.interleaved ? (v > 1 ? v / 2 : 1) : v;
   l.n_rot_units = (p.rotary_dim / 2) / ppu;
   l.n_pass_units = 0;
-  shape_grid(l, l.n_rot_units, p.t[0].n_heads, p.n_tokens, num_sms);
+  // No token: no grid (shape_grid spreads the heads of each token over blocks).
+  if (p.n_tokens > 0) shape_grid(l, l.n_rot_units, p.t[0].n_heads, p.n_tokens, num_sms);
   return l;
 }
 
