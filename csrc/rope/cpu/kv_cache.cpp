@@ -139,14 +139,20 @@ void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t r
     row_ops().copy(x, static_cast<T*>(c.data) + off, n * int64_t(sizeof(T)));
 }
 
+// Whether k rotates apart from q: its features differ from q's (MLA's k_pe), or q is rotated
+// back (inverse), or goes to fp8.
+bool rotates_k_apart(const CacheParams& cp) {
+  const RopeParams& p = cp.rope;
+  return cp.k_dim != p.head_dim || cp.k_rot_offset != p.rot_offset || cp.q_inverse ||
+         cp.q_fp8 != Fp8::kNone;
+}
+
 template <class T>
 void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, int64_t end) {
   const RopeParams& p = cp.rope;
   const RopeParams r = slice_tokens(p, begin, end);
   const int64_t n = end - begin, hq = p.t[0].n_heads, D = p.head_dim;
-  // k rotates apart from q when its features differ from q's (MLA's k_pe) or q goes to fp8.
-  const bool k_apart = cp.k_dim != p.head_dim || cp.k_rot_offset != p.rot_offset || cp.q_inverse;
-  if (cp.q_fp8 == Fp8::kNone && !k_apart) {
+  if (!rotates_k_apart(cp)) {
     rotate_tokens(r, 0, n);
   } else {
     RopeParams rk = r;  // k in place
@@ -156,14 +162,8 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
     rk.rot_offset = cp.k_rot_offset;
     rotate_tokens(rk, 0, n);
   }
-  if (cp.q_fp8 == Fp8::kNone) {
-    if (k_apart) {
-      RopeParams rq = r;  // q alone
-      rq.n_tensors = 1;
-      rq.inverse = cp.q_inverse;
-      rotate_tokens(rq, 0, n);
-    }
-  } else {
+  // q apart of its dtype was rotated by rotate_and_cache_tokens, for all its tokens at once
+  if (cp.q_fp8 != Fp8::kNone) {
     // q: rotated into a row-major scratch of q's dtype, then quantized.
     thread_local std::vector<T> scratch;
     scratch.resize(size_t(n * hq * D));
@@ -220,6 +220,14 @@ void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end) 
   dispatch_x(cp.rope.x_dtype, [&](auto x) {
     using T = decltype(x);
     const Fp8Tables tables = Fp8Tables::make<T>(cp);
+    if (rotates_k_apart(cp) && cp.q_fp8 == Fp8::kNone) {
+      // q apart, in place or to q_out of its dtype: one rotation of all the tokens (the steps below
+      // are for k's cache rows, read back from L1)
+      RopeParams rq = cp.rope;
+      rq.n_tensors = 1;
+      rq.inverse = cp.q_inverse;
+      rotate_tokens(rq, begin, end);
+    }
     for (int64_t b = begin; b < end; b += kStepTokens)
       cache_step<T>(cp, tables, b, std::min(end, b + kStepTokens));
   });
