@@ -94,6 +94,11 @@ struct RopeParams {
   bool interleaved;  // pairs (2j, 2j+1); else (j, j + rotary_dim/2)
   bool inverse;      // rotate by the negative angle (the gradient)
 
+  // CPU kernels only (null elsewhere): token t of t[0] starts at element
+  // tok_rows[t] of in and of out instead of at its token dims' offsets (the
+  // re-rotation's cache rows, at any slots).
+  const int64_t* tok_rows;
+
   DType x_dtype;   // dtype of q and k (input and output)
   DType cs_dtype;  // float32, or x_dtype
   bool pos_int64;  // positions are int64 (else int32)

@@ -203,7 +203,8 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   TokenTable<T, CS, Pos, Interleaved, Head> table(p);
 
   for (int64_t token = begin; token < end; ++token) {
-    const TokenOffsets o = token_offsets(p, token);
+    TokenOffsets o = token_offsets(p, token);
+    if (p.tok_rows) o.in[0] = o.out[0] = p.tok_rows[token];
     const A* tab = table.build(o);
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
