@@ -54,6 +54,7 @@ MATRIX = ["cpu", "emu-132sm", "emu-1sm-scalar", "cuda"]
 EMU_BACKENDS = [b for b, spec in BACKENDS.items() if isinstance(spec, tuple)]
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _THREADS = torch.get_num_threads()
+VIEWS = (None, "blocks", "heads")  # the cache as it is, or a view of a larger guard-filled tensor
 
 
 @pytest.fixture(autouse=True, scope="module")
