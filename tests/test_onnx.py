@@ -530,6 +530,7 @@ def test_functionalized_program_raises():
 def test_translation_table_and_registration():
     twins = {torch.ops.rope_ext_onnx.rotary_qk, torch.ops.rope_ext_onnx.rotary_qk_cache}
     twins |= {torch.ops.rope_ext_onnx.qk_norm_rotary, torch.ops.rope_ext_onnx.qk_norm_rotary_packed}
+    twins |= {torch.ops.rope_ext_onnx.mla_rotary_cache, torch.ops.rope_ext_onnx.rerotate_kv_cache}
     functional = {_ops.rotary.default, _ops.rotary_qk.default, _ops.qk_norm_rotary.default}
     assert set(rope_onnx.translation_table()) == functional | {t.default for t in twins}
     assert rope_onnx.REGISTERED and rope_onnx.register()  # on import, idempotent
