@@ -71,6 +71,7 @@ def extensions():
     binding = [
         "csrc/ops/binding.cpp",
         "csrc/ops/layout.cpp",
+        "csrc/ops/page_table.cpp",
         "csrc/ops/serving_binding.cpp",
         "csrc/ops/rerotate_binding.cpp",
     ]

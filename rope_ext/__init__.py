@@ -2,6 +2,7 @@
 
 from . import distributed, reference, scaling
 from .cache import RopeCache
+from .checks import PageTable
 from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
 from .ops import _set_cpu_isa as _set_cpu_isa
@@ -26,6 +27,7 @@ __all__ = [
     "apply_qk_norm_rotary_",
     "set_position_checks",
     "varlen_positions",
+    "PageTable",
     "RopeCache",
     "RotaryEmbedding",
     "compat",

@@ -11,6 +11,7 @@ arguments by name (a named tuple in schema order) and return them as the op take
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -18,8 +19,10 @@ from torch import Tensor
 __all__ = [
     "FP8_DTYPES",
     "MAX_AXES",
+    "PageTable",
     "TYPE_ERROR_TAG",
     "cache_args",
+    "page_table",
     "position_checks",
     "qk_norm_args",
     "qk_norm_packed_args",
@@ -183,6 +186,61 @@ def _slots_in_range(slot_mapping: Tensor, n: int | None) -> None:
             )
 
 
+class PageTable(NamedTuple):
+    """FlashInfer's page table (``append_paged_kv_cache``'s arguments), for the cache ops' ``page_table``.
+
+    Token t is entry ``positions[t]`` of request ``b = batch_indices[t]`` (-1: not written): row
+    ``positions[t] % block_size`` of page ``kv_indices[kv_indptr[b] + positions[t] // block_size]``.
+    With ``kv_last_page_len`` the request's length is ``max(pages - 1, 0) * block_size +
+    kv_last_page_len[b]`` and an entry past it is refused like a slot outside the cache. int32 or int64
+    1-d tensors on q's device: ``batch_indices``, ``positions`` ``[T']`` (``T' <= T``: the tokens past
+    them are rotated, not written), ``kv_indices`` (the pages, request after request), ``kv_indptr``
+    ``[batch_size + 1]``, ``kv_last_page_len`` ``[batch_size]`` or None.
+    """
+
+    batch_indices: Tensor
+    positions: Tensor
+    kv_indices: Tensor
+    kv_indptr: Tensor
+    kv_last_page_len: Tensor | None = None
+
+
+def page_table(value) -> tuple[Tensor, ...] | None:
+    """A cache op's ``page_table`` as the op takes it: its tensors (no ``kv_last_page_len`` when None),
+    or None. ``TypeError`` names the entry that is not a tensor."""
+    if value is None:
+        return None
+    if not isinstance(value, (tuple, list)) or len(value) not in (4, 5):
+        raise ValueError(
+            "page_table must be (batch_indices, positions, kv_indices, kv_indptr[, kv_last_page_len]) "
+            f"(rope_ext.PageTable), got {type(value).__name__}"
+            + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+        )
+    tensors = tuple(value)
+    if len(tensors) == 5 and tensors[4] is None:
+        tensors = tensors[:4]
+    for name, t in zip(PageTable._fields, tensors, strict=False):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"page_table's {name} must be a torch.Tensor, got {type(t).__name__}")
+    return tensors
+
+
+def _slots_given(a, cache_slots: int | None) -> None:
+    """A cache op places its tokens by slot_mapping or by page_table, one of them; with position checks on
+    (the caller tests it), eager CUDA calls check either on the host as the CPU op does."""
+    if a.page_table is not None and a.slot_mapping is not None:
+        raise ValueError("slot_mapping must be None when page_table is given (one of them places the tokens)")
+    if a.page_table is None and a.slot_mapping is None:
+        raise TypeError("slot_mapping must be a tensor, got None (or pass page_table)")
+    if not position_checks.on_device or cache_slots is None:
+        return
+    if a.slot_mapping is not None:
+        _slots_in_range(a.slot_mapping, cache_slots[0] * cache_slots[1])
+    elif _host_check(a.page_table[0]):
+        tables = [t.cpu() for t in a.page_table]
+        torch.ops.rope_ext._page_table_slots(tables, cache_slots[1], cache_slots[0])
+
+
 def _no_grad_wanted(op: str, **tensors: Tensor | None) -> None:
     names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
     if torch.is_grad_enabled() and names:
@@ -240,11 +298,11 @@ def cache_args(a):
         "apply_rotary_qk_and_cache_",
         q=a.q, k=a.k, v=a.v, q_out=a.q_out, key_cache=a.key_cache, value_cache=a.value_cache,
     )  # fmt: skip
+    a = a._replace(page_table=page_table(a.page_table))
+    c = a.key_cache
+    _slots_given(a, (c.shape[0], c.shape[1 if a.layout == "NHD" else 2]) if c.dim() == 4 else None)
     if position_checks.on_device:
         _positions_in_range(a.positions, a.cos_sin)
-        c = a.key_cache
-        n = c.shape[0] * c.shape[1 if a.layout == "NHD" else 2] if c.dim() == 4 else None
-        _slots_in_range(a.slot_mapping, n)
     return a
 
 
@@ -253,10 +311,11 @@ def mla_args(a):
     _require_offset(a.rotary_offset)
     grads = dict(q=a.q, kv_c=a.kv_c, k_pe=a.k_pe, q_out=a.q_out, kv_cache=a.kv_cache)
     _no_grad_wanted("apply_mla_rotary_and_cache_", **grads)
+    a = a._replace(page_table=page_table(a.page_table))
+    c = a.kv_cache
+    _slots_given(a, (c.shape[0], c.shape[1]) if c.dim() == 3 else None)
     if position_checks.on_device:
         _positions_in_range(a.positions, a.cos_sin)
-        c = a.kv_cache
-        _slots_in_range(a.slot_mapping, c.shape[0] * c.shape[1] if c.dim() == 3 else None)
     return a
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import FP8_DTYPES, MAX_AXES, split_qkv
+from .checks import FP8_DTYPES, MAX_AXES, PageTable, split_qkv
 from .positions import positions_shape
 from .specs import (
     CACHE,
@@ -163,6 +163,27 @@ def _one_per_token(positions: Tensor, q: Tensor) -> None:
         )
 
 
+def _slots(a, q: Tensor) -> None:
+    """A cache write's slot_mapping, or its page_table (one of them)."""
+    if a.page_table is not None:
+        if a.slot_mapping is not None:
+            raise ValueError("slot_mapping must be None when page_table is given (one of them places tokens)")
+        if len(a.page_table) not in (4, 5):
+            raise ValueError(f"page_table must hold 4 or 5 tensors, got {len(a.page_table)}")
+        for name, t in zip(PageTable._fields, a.page_table, strict=False):
+            if t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"page_table's {name} must be an int32 or int64 tensor, got {t.dtype}")
+            torch._check(t.dim() == 1, lambda name=name: f"page_table's {name} must be 1-d")
+            _on_device_of(q, f"page_table's {name}", t)
+        return
+    if not isinstance(a.slot_mapping, Tensor):
+        raise TypeError("slot_mapping must be a tensor, got None (or pass page_table)")
+    _on_device_of(q, "slot_mapping", a.slot_mapping)
+    torch._check(a.slot_mapping.dim() == 1, lambda: "slot_mapping must be [T']")
+    if a.slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be an int64 tensor, got {a.slot_mapping.dtype}")
+
+
 @fake_kernel(CACHE)
 def _rotary_qk_cache(a):
     q, k, v = a.q, a.k, a.v
@@ -170,16 +191,14 @@ def _rotary_qk_cache(a):
     _three_d(k, "k", "[T, Hk, D]")
     _three_d(v, "v", "[T, Hk, Dv]")
     _serving_qk(a, q, k)
-    for name in ("v", "key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale", "q_out", "q_scale"):
+    for name in ("v", "key_cache", "value_cache", "k_scale", "v_scale", "q_out", "q_scale"):
         _on_device_of(q, name, getattr(a, name))
     if a.layout not in ("NHD", "HND"):
         raise ValueError(f"layout must be 'NHD' or 'HND', got '{a.layout}'")
-    key_cache, value_cache, slot_mapping = a.key_cache, a.value_cache, a.slot_mapping
+    key_cache, value_cache = a.key_cache, a.value_cache
     torch._check(k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0], lambda: "q, k, v: same T")
     torch._check(key_cache.dim() == 4 and value_cache.dim() == 4, lambda: "caches must be 4-d")
-    torch._check(slot_mapping.dim() == 1, lambda: "slot_mapping must be [T']")
-    if slot_mapping.dtype != torch.int64:
-        raise TypeError(f"slot_mapping must be an int64 tensor, got {slot_mapping.dtype}")
+    _slots(a, q)
     if key_cache.dtype not in (q.dtype, *FP8_DTYPES):
         raise TypeError(
             f"key_cache must have the dtype of q ({q.dtype}) or be float8_e4m3fn / float8_e5m2, "
@@ -191,13 +210,13 @@ def _rotary_qk_cache(a):
 def _mla_rotary_cache(a):
     q, kv_c, k_pe, kv_cache = a.q, a.kv_c, a.k_pe, a.kv_cache
     _three_d(q, "q", "[T, H, D]")
-    for name in ("kv_c", "k_pe", "kv_cache", "slot_mapping"):
+    for name in ("kv_c", "k_pe", "kv_cache"):
         t = getattr(a, name)
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     _rotated(q, a.positions, a, "q", token_major=True)
     _one_per_token(a.positions, q)
-    for name in ("kv_c", "k_pe", "kv_cache", "slot_mapping", "kv_scale", "q_out", "q_scale"):
+    for name in ("kv_c", "k_pe", "kv_cache", "kv_scale", "q_out", "q_scale"):
         _on_device_of(q, name, getattr(a, name))
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
         if t.dtype != q.dtype:
@@ -215,9 +234,7 @@ def _mla_rotary_cache(a):
     torch._check(kv_c.shape[0] == T and k_pe.shape[0] == T, lambda: "q, kv_c, k_pe: same T")
     torch._check(k_pe.shape[-1] == a.cos_sin.shape[-1], lambda: "k_pe.shape[-1] must be rotary_dim")
     torch._check(kv_cache.shape[-1] == kv_c.shape[-1] + k_pe.shape[-1], lambda: "kv_cache.shape[-1]")
-    torch._check(a.slot_mapping.dim() == 1, lambda: "slot_mapping must be [T']")
-    if a.slot_mapping.dtype != torch.int64:
-        raise TypeError(f"slot_mapping must be an int64 tensor, got {a.slot_mapping.dtype}")
+    _slots(a, q)
     if kv_cache.dtype not in (q.dtype, *FP8_DTYPES):
         raise TypeError(
             f"kv_cache must have the dtype of q ({q.dtype}) or be float8_e4m3fn / float8_e5m2, "

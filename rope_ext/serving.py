@@ -19,6 +19,7 @@ from torch import Tensor
 from . import autograd as _autograd  # noqa: F401  (registers the autograd formulas)
 from . import fakes as _fakes  # noqa: F401  (registers the fake kernels)
 from ._inplace import check_inplace_allowed
+from .checks import page_table as _page_table
 from .checks import position_checks, shift_tensor, split_qkv, typed_errors
 from .specs import CACHE, MLA_CACHE, QK_NORM, QK_NORM_PACKED_, REROTATE
 
@@ -46,7 +47,7 @@ def apply_rotary_qk_and_cache_(
     cos_sin: Tensor,
     key_cache: Tensor,
     value_cache: Tensor,
-    slot_mapping: Tensor,
+    slot_mapping: Tensor | None = None,
     *,
     interleaved: bool = False,
     layout: str = "NHD",
@@ -58,6 +59,7 @@ def apply_rotary_qk_and_cache_(
     mrope_section: Sequence[int] | None = None,
     mrope_interleaved: bool = False,
     inverse: bool = False,
+    page_table: Sequence[Tensor | None] | None = None,
 ) -> None:
     """Rotate q and k in place and write rotated k and v into a paged KV cache, in one pass.
 
@@ -73,6 +75,11 @@ def apply_rotary_qk_and_cache_(
       outside the cache raises ``IndexError`` on CPU before anything is written; on CUDA that token's
       write is skipped (never out of bounds), and :func:`rope_ext.set_position_checks` makes eager CUDA
       calls raise instead.
+    - ``page_table`` instead of ``slot_mapping`` (None): FlashInfer's paged-KV arguments
+      (:class:`rope_ext.PageTable`: ``batch_indices``, ``positions``, ``kv_indices``, ``kv_indptr``,
+      ``kv_last_page_len``), each token's slot found inside the kernel (no slot tensor, CUDA-graph
+      safe). The same write, bit for bit, as the slot mapping of those slots; a token the table cannot
+      place is refused or skipped as a slot outside the cache is.
     - Cache dtype: q's dtype (values stored as they are; the scales are ignored), or
       ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: the stored value is ``x / scale`` in float32,
       saturated to the type's finite range (+-448 / +-57344; infinities saturate too), rounded to
@@ -89,13 +96,16 @@ def apply_rotary_qk_and_cache_(
     before the first write: on error q, k, v and both caches are unchanged. An inference op: no
     autograd.
     """
+    if page_table is not None:
+        page_table = _page_table(page_table)
     inputs = (q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping)
     options = (
         k_scale, v_scale, q_out, q_scale,
-        interleaved, layout, rotary_offset, mrope_section, mrope_interleaved, inverse,
+        interleaved, layout, rotary_offset, mrope_section, mrope_interleaved, inverse, page_table,
     )  # fmt: skip
     if (
-        type(q) is type(k) is type(v) is type(positions) is type(slot_mapping) is Tensor
+        type(q) is type(k) is type(v) is type(positions) is Tensor
+        and (type(slot_mapping) is Tensor or (slot_mapping is None and page_table is not None))
         and type(key_cache) is type(value_cache) is Tensor
         and type(layout) is str
         and positions.dim() == 1
@@ -141,7 +151,7 @@ def apply_mla_rotary_and_cache_(
     positions: Tensor,
     cos_sin: Tensor,
     kv_cache: Tensor,
-    slot_mapping: Tensor,
+    slot_mapping: Tensor | None = None,
     *,
     rotary_offset: int = 0,
     interleaved: bool = False,
@@ -149,6 +159,7 @@ def apply_mla_rotary_and_cache_(
     q_out: Tensor | None = None,
     q_scale: Tensor | None = None,
     inverse: bool = False,
+    page_table: Sequence[Tensor | None] | None = None,
 ) -> None:
     """RoPE + MLA latent-cache write (DeepSeek-V2/V3, Kimi-K2), in one pass.
 
@@ -162,7 +173,8 @@ def apply_mla_rotary_and_cache_(
       ``kv_cache [num_blocks, block_size, kv_lora_rank + rotary_dim]`` (vLLM's ``concat_and_cache_mla``
       layout) at ``slot_mapping`` as :func:`apply_rotary_qk_and_cache_` does: slot -1 and tokens past
       slot_mapping are rotated, not written; a slot outside the cache is an ``IndexError`` on CPU before
-      any write, skipped on CUDA. kv_cache of q's dtype, or fp8 with ``kv_scale`` (None is 1.0).
+      any write, skipped on CUDA; or at the slots of a ``page_table`` (:class:`rope_ext.PageTable`), as
+      there. kv_cache of q's dtype, or fp8 with ``kv_scale`` (None is 1.0).
 
     Any strides with a contiguous last dim (kv_c and k_pe may be views of one projection output).
     Pairing half-split or ``interleaved`` (DeepSeek's checkpoints are interleaved; vLLM's DeepSeek
@@ -171,11 +183,13 @@ def apply_mla_rotary_and_cache_(
     An inference op: no autograd. DeepSeek's yarn table:
     ``RopeCache.from_hf_config(config)`` with ``rotary_dim = qk_rope_head_dim``.
     """
+    if page_table is not None:
+        page_table = _page_table(page_table)
     inputs = (q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping)
-    options = (kv_scale, q_out, q_scale, interleaved, rotary_offset, inverse)
+    options = (kv_scale, q_out, q_scale, interleaved, rotary_offset, inverse, page_table)
     if (
-        type(q) is type(kv_c) is type(k_pe) is type(positions) is Tensor
-        and type(kv_cache) is type(slot_mapping) is Tensor
+        type(q) is type(kv_c) is type(k_pe) is type(positions) is type(kv_cache) is Tensor
+        and (type(slot_mapping) is Tensor or (slot_mapping is None and page_table is not None))
         and positions.dim() == 1
         and type(rotary_offset) is int
         and not (q.requires_grad or kv_c.requires_grad or k_pe.requires_grad or kv_cache.requires_grad)

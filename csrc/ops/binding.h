@@ -51,19 +51,20 @@ void rotary_qk_(const Backend& backend, const Tensor& q, const std::optional<Ten
 // rope_ext::rotary_qk_cache_ (RoPE + KV-cache write)
 void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
                       const Tensor& positions, const Tensor& cos_sin, const Tensor& key_cache,
-                      const Tensor& value_cache, const Tensor& slot_mapping,
+                      const Tensor& value_cache, const std::optional<Tensor>& slot_mapping,
                       const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                       const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved, bool inverse);
+                      const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+                      const PageTableArg& page_table);
 
 // rope_ext::mla_rotary_cache_ (RoPE + MLA latent-cache write)
 void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv_c,
                        const Tensor& k_pe, const Tensor& positions, const Tensor& cos_sin,
-                       const Tensor& kv_cache, const Tensor& slot_mapping,
+                       const Tensor& kv_cache, const std::optional<Tensor>& slot_mapping,
                        const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
                        const std::optional<Tensor>& q_scale, bool interleaved,
-                       int64_t rotary_offset, bool inverse);
+                       int64_t rotary_offset, bool inverse, const PageTableArg& page_table);
 
 // rope_ext::rerotate_kv_cache_: its checks and kernel parameters
 // (rerotate_binding.cpp), and the op.
@@ -111,8 +112,8 @@ inline void rotary_qk_cache_scaled(const Backend& b, const Tensor& q, const Tens
                                    const Tensor& slot_mapping, const Tensor& k_scale,
                                    const Tensor& v_scale) {
   rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
-                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false,
-                   false);
+                   v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false, false,
+                   std::nullopt);
 }
 inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
@@ -120,7 +121,7 @@ inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tenso
                                   const Tensor& slot_mapping) {
   rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0,
-                   std::nullopt, false, false);
+                   std::nullopt, false, false, std::nullopt);
 }
 inline void qk_norm_rotary_packed_plain(const Backend& b, const Tensor& qkv, int64_t num_heads_q,
                                         int64_t num_heads_k, int64_t num_heads_v,
@@ -172,27 +173,38 @@ rope::Fp8 fp8_of(torch::headeronly::ScalarType t);
 const float* scale_ptr(const std::optional<Tensor>& s, const char* name, const Arg& x,
                        const char* x_name = "q");
 void check_no_self_overlap(const Layout& t, const char* name);
-void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what);
+void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what,
+                 const char* source = "slot_mapping");
+
+// The page table of a cache write (page_table.cpp): its checks and kernel
+// parameters (x: the tensor whose device it must be on; n_tokens: T), and
+// every token's slot (-1: not written), checked (IndexError for a token it
+// cannot place, ValueError for a bad kv_last_page_len).
+rope::PageTable page_table_params(const std::vector<Tensor>& page_table, const Arg& x,
+                                  const char* x_name, int64_t n_tokens, int64_t n_blocks);
+std::vector<int64_t> page_table_slots(const rope::PageTable& pt, int64_t block_size);
+// rope_ext::_page_table_slots (CPU): page_table_slots of a page table in host
+// memory, its slots distinct too, as an int64 tensor.
+Tensor page_table_slots_op(std::vector<Tensor> page_table, int64_t block_size, int64_t num_blocks);
 
 // Checks the arguments of the serving ops and returns their kernel parameters
 // (no data touched). q_out / k_out of make_norm_params may be q / k. The MLA
 // cache write is the cache write of k_pe and kv_c into kv_cache's two column
 // ranges (rope::CacheParams).
-rope::CacheParams make_mla_cache_params(const Tensor& q, const Tensor& kv_c, const Tensor& k_pe,
-                                        const Tensor& positions, const Tensor& cos_sin,
-                                        const Tensor& kv_cache, const Tensor& slot_mapping,
-                                        const std::optional<Tensor>& kv_scale,
-                                        const std::optional<Tensor>& q_out,
-                                        const std::optional<Tensor>& q_scale, bool interleaved,
-                                        int64_t rotary_offset, bool inverse = false);
+rope::CacheParams make_mla_cache_params(
+    const Tensor& q, const Tensor& kv_c, const Tensor& k_pe, const Tensor& positions,
+    const Tensor& cos_sin, const Tensor& kv_cache, const std::optional<Tensor>& slot_mapping,
+    const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
+    const std::optional<Tensor>& q_scale, bool interleaved, int64_t rotary_offset, bool inverse,
+    const PageTableArg& page_table);
 rope::CacheParams make_cache_params(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
     const Tensor& cos_sin, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved,
-    bool inverse = false);
+    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+    const PageTableArg& page_table);
 rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,
                                   const Tensor& q_weight, const Tensor& k_weight,
                                   const Tensor& positions, const Tensor& cos_sin, double eps,

@@ -24,6 +24,8 @@ namespace rope_ext {
 
 using torch::stable::Tensor;
 using Sections = std::optional<std::vector<int64_t>>;
+// A cache write's page_table (Tensor[]?): see page_table.cpp.
+using PageTableArg = std::optional<std::vector<Tensor>>;
 using IntRef = torch::headeronly::IntHeaderOnlyArrayRef;
 using ValueError = std::invalid_argument;
 

@@ -99,7 +99,10 @@ bool set_cpu_isa(std::string name) { return rope::cpu::set_isa(name.c_str()); }
 }  // namespace
 }  // namespace rope_ext
 
-STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) { rope_ext::impl_ops<rope_ext::kCpu>(m); }
+STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
+  rope_ext::impl_ops<rope_ext::kCpu>(m);
+  m.impl("_page_table_slots", TORCH_BOX(&rope_ext::page_table_slots_op));
+}
 
 // An op without tensor arguments dispatches to its CompositeImplicitAutograd kernel.
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CompositeImplicitAutograd, m) {

@@ -39,25 +39,34 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   // and v [T, Hk, Dv] stored at slot_mapping[t] of the paged caches ("NHD"
   // [blocks, block_size, Hk, D] or "HND" [blocks, Hk, block_size, D]), of q's
   // dtype or fp8 with k_scale / v_scale. positions [T] ([3, T] with
-  // mrope_section), or any shape broadcasting to [T, Hq] ([T, 1]).
+  // mrope_section), or any shape broadcasting to [T, Hq] ([T, 1]). Instead of
+  // slot_mapping (None), page_table: FlashInfer's (batch_indices, positions,
+  // kv_indices, kv_indptr[, kv_last_page_len]), each token's slot found in
+  // the kernel.
   m.def(
       "rotary_qk_cache_(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, "
-      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, Tensor(e!)? q_out=None, Tensor? q_scale=None, "
+      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, Tensor(e!)? q_out=None, Tensor? q_scale=None, "
       "bool interleaved=False, str layout=\"NHD\", int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False) -> ()");
+      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False, "
+      "Tensor[]? page_table=None) -> ()");
   // RoPE + MLA latent-cache write (DeepSeek-V2/V3): q [T, H, D] rotated in
   // place at features [rotary_offset, rotary_offset + rotary_dim) (into q_out
   // instead when given, the other features copied, of q's dtype or fp8 with
   // q_scale), k_pe [T, rotary_dim] ([T, 1, rotary_dim]) rotated in place, and
   // kv_c [T, kv_lora_rank] and the rotated k_pe stored side by side at
   // slot_mapping[t] of kv_cache [blocks, block_size, kv_lora_rank +
-  // rotary_dim], of q's dtype or fp8 with kv_scale.
+  // rotary_dim], of q's dtype or fp8 with kv_scale; or at the slots of a
+  // page_table, as for rotary_qk_cache_.
   m.def(
       "mla_rotary_cache_(Tensor(a!) q, Tensor kv_c, Tensor(b!) k_pe, Tensor positions, "
-      "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale=None, "
+      "Tensor cos_sin, Tensor(c!) kv_cache, Tensor? slot_mapping, Tensor? kv_scale=None, "
       "Tensor(d!)? q_out=None, Tensor? q_scale=None, bool interleaved=False, "
-      "int rotary_offset=0, bool inverse=False) -> ()");
+      "int rotary_offset=0, bool inverse=False, Tensor[]? page_table=None) -> ()");
+  // Each token's slot (-1: not written) of a page table in host memory, as the
+  // CPU cache ops find and check them (CPU only): the host check of an eager
+  // CUDA call with position checks on.
+  m.def("_page_table_slots(Tensor[] page_table, int block_size, int num_blocks) -> Tensor");
   // Re-rotation of cached keys: every head of the key stored at slot
   // slot_mapping[t] of key_cache ("NHD" [blocks, block_size, Hk, D] or "HND"
   // [blocks, Hk, block_size, D], a float dtype or fp8 with k_scale) rotated in

@@ -79,12 +79,13 @@ constexpr CacheNames kMlaNames{"k_pe", "kv_c", "kv_cache", "kv_cache", "kv_scale
 // whole, and the messages use the MLA op's names.
 rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const Tensor& positions,
                                const Tensor& cos_sin, const Arg& key_cache, const Arg& value_cache,
-                               const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+                               const std::optional<Tensor>& slot_mapping_arg,
+                               const std::optional<Tensor>& k_scale,
                                const std::optional<Tensor>& v_scale, const Arg* qo,
                                const std::optional<Tensor>& q_scale, bool interleaved,
                                const std::string& layout, int64_t rotary_offset,
                                const Sections& mrope_section, bool mrope_interleaved, bool inverse,
-                               bool mla) {
+                               const PageTableArg& page_table, bool mla) {
   const CacheNames& n = mla ? kMlaNames : kGqaNames;
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, n.k, "[T, Hk, D]");
@@ -182,18 +183,32 @@ rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const T
   cp.block_size = BS;
   cp.n_cache_slots = NB * BS;
 
-  ROPE_CHECK(TypeError, slot_mapping.defined(), "slot_mapping must be a tensor, got None");
-  ROPE_CHECK(TypeError, dtype_of(slot_mapping) == ScalarType::Long,
-             "slot_mapping must be an int64 tensor, got ", dtype_of(slot_mapping));
-  ROPE_CHECK(ValueError, slot_mapping.dim() == 1 && slot_mapping.size(0) <= T,
-             "slot_mapping must be [T'] with T' <= T = ", T, ", got shape ",
-             shape_str(slot_mapping.sizes()));
-  ROPE_CHECK(ValueError, slot_mapping.size(0) <= 1 || slot_mapping.stride(0) == 1,
-             "slot_mapping must be contiguous, got strides ", shape_str(slot_mapping.strides()));
-  ROPE_CHECK(ValueError, same_device(slot_mapping, q), "slot_mapping must be on the device of q (",
-             device_str(q), "), got ", device_str(slot_mapping));
-  cp.slots = static_cast<const int64_t*>(slot_mapping.data_ptr());
-  cp.n_slots = slot_mapping.size(0);
+  // The slots: slot_mapping, or a page table.
+  ROPE_CHECK(ValueError, !(page_table.has_value() && slot_mapping_arg.has_value()),
+             "slot_mapping must be None when page_table is given (one of them places the tokens)");
+  std::vector<std::pair<Layout, const char*>> index_reads;  // every thread reads these
+  if (page_table.has_value()) {
+    cp.pages = page_table_params(*page_table, q, "q", T, NB);
+    for (size_t i = 0; i < page_table->size(); ++i)
+      index_reads.emplace_back(Layout((*page_table)[i]), "page_table");
+  } else {
+    ROPE_CHECK(TypeError, slot_mapping_arg.has_value(),
+               "slot_mapping must be a tensor, got None (or pass page_table)");
+    const Tensor& slot_mapping = *slot_mapping_arg;
+    ROPE_CHECK(TypeError, dtype_of(slot_mapping) == ScalarType::Long,
+               "slot_mapping must be an int64 tensor, got ", dtype_of(slot_mapping));
+    ROPE_CHECK(ValueError, slot_mapping.dim() == 1 && slot_mapping.size(0) <= T,
+               "slot_mapping must be [T'] with T' <= T = ", T, ", got shape ",
+               shape_str(slot_mapping.sizes()));
+    ROPE_CHECK(ValueError, slot_mapping.size(0) <= 1 || slot_mapping.stride(0) == 1,
+               "slot_mapping must be contiguous, got strides ", shape_str(slot_mapping.strides()));
+    ROPE_CHECK(ValueError, same_device(slot_mapping, q),
+               "slot_mapping must be on the device of q (", device_str(q), "), got ",
+               device_str(slot_mapping));
+    cp.slots = static_cast<const int64_t*>(slot_mapping.data_ptr());
+    cp.n_slots = slot_mapping.size(0);
+    index_reads.emplace_back(Layout(slot_mapping), "slot_mapping");
+  }
 
   cp.v = v.data_ptr();
   cp.v_tok_stride = v.stride(0);
@@ -223,18 +238,19 @@ rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const T
       check_disjoint(*c, cn, *x, xn);
   // Nor may it hold the positions, the table, the slots or a scale, which every thread reads.
   const Layout none;
-  const Layout lpos(positions), lcs(cos_sin), lslots(slot_mapping);
+  const Layout lpos(positions), lcs(cos_sin);
   const Layout lks = ks ? Layout(*k_scale) : none, lvs = vs ? Layout(*v_scale) : none;
   const Layout lqs = qs ? Layout(*q_scale) : none;
   for (const auto& [w, wn] :
-       {std::pair{&lqo, q_target}, {&lk, n.k}, {&lkc, n.key_cache}, {&lvc, n.value_cache}})
+       {std::pair{&lqo, q_target}, {&lk, n.k}, {&lkc, n.key_cache}, {&lvc, n.value_cache}}) {
     for (const auto& [r, rn] : {std::pair{&lpos, "positions"},
                                 {&lcs, "cos_sin"},
-                                {&lslots, "slot_mapping"},
                                 {&lks, n.k_scale},
                                 {&lvs, n.v_scale},
                                 {&lqs, "q_scale"}})
       check_disjoint(*w, wn, *r, rn);
+    for (const auto& [r, rn] : index_reads) check_disjoint(*w, wn, r, rn);
+  }
   return cp;
 }
 
@@ -243,23 +259,25 @@ rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const T
 rope::CacheParams make_cache_params(
     const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& positions,
     const Tensor& cos_sin, const Tensor& key_cache_t, const Tensor& value_cache_t,
-    const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved, bool inverse) {
+    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+    const PageTableArg& page_table) {
   const Arg q(q_t), k(k_t), v(v_t), key_cache(key_cache_t), value_cache(value_cache_t);
   std::optional<Arg> q_out_arg;
   if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
   return cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
                       v_scale, q_out_arg ? &*q_out_arg : nullptr, q_scale, interleaved, layout,
-                      rotary_offset, mrope_section, mrope_interleaved, inverse, false);
+                      rotary_offset, mrope_section, mrope_interleaved, inverse, page_table, false);
 }
 
 rope::CacheParams make_mla_cache_params(
     const Tensor& q_t, const Tensor& kv_c_t, const Tensor& k_pe_t, const Tensor& positions,
-    const Tensor& cos_sin, const Tensor& kv_cache_t, const Tensor& slot_mapping,
+    const Tensor& cos_sin, const Tensor& kv_cache_t, const std::optional<Tensor>& slot_mapping,
     const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
-    const std::optional<Tensor>& q_scale, bool interleaved, int64_t rotary_offset, bool inverse) {
+    const std::optional<Tensor>& q_scale, bool interleaved, int64_t rotary_offset, bool inverse,
+    const PageTableArg& page_table) {
   const Arg q(q_t), kv_c(kv_c_t), k_pe(k_pe_t), kv_cache(kv_cache_t);
   for (const auto& [x, name] : {std::pair{&q, "q"}, {&kv_c, "kv_c"}, {&k_pe, "k_pe"}})
     ROPE_CHECK(TypeError, x->defined(), name, " must be a tensor, got None");
@@ -309,10 +327,11 @@ rope::CacheParams make_mla_cache_params(
   if (q_out.has_value() && q_out->defined()) q_out_arg.emplace(*q_out);
   return cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, kv_scale,
                       kv_scale, q_out_arg ? &*q_out_arg : nullptr, q_scale, interleaved, "NHD",
-                      rotary_offset, std::nullopt, false, inverse, true);
+                      rotary_offset, std::nullopt, false, inverse, page_table, true);
 }
 
-void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what) {
+void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const char* what,
+                 const char* source) {
   for (int64_t t = 0; t < n; ++t) {
     const int64_t s = slots[t];
     ROPE_CHECK(std::out_of_range, s == -1 || (s >= 0 && s < n_cache_slots),
@@ -332,7 +351,7 @@ void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const c
     if (slots[t] >= 0) st.emplace_back(slots[t], t);
   std::sort(st.begin(), st.end());
   for (size_t i = 1; i < st.size(); ++i)
-    ROPE_CHECK(ValueError, st[i].first != st[i - 1].first, "slot_mapping holds slot ", st[i].first,
+    ROPE_CHECK(ValueError, st[i].first != st[i - 1].first, source, " holds slot ", st[i].first,
                " twice (tokens ", st[i - 1].second, " and ", st[i].second, "); ", what);
 }
 
@@ -343,8 +362,13 @@ void run_cache(const rope::CacheParams& cp, const Tensor& q, const Backend& back
   if (cp.rope.n_tokens == 0 || q.size(0) == 0) return;
   if (backend.check_positions) {
     backend.check_positions(cp.rope);
-    check_slots(cp.slots, cp.n_slots, cp.n_cache_slots,
-                "each token's k and v need a slot of their own");
+    constexpr const char* kWhy = "each token's k and v need a slot of their own";
+    if (cp.pages.batch) {
+      const std::vector<int64_t> slots = page_table_slots(cp.pages, cp.block_size);
+      check_slots(slots.data(), int64_t(slots.size()), cp.n_cache_slots, kWhy, "page_table");
+    } else {
+      check_slots(cp.slots, cp.n_slots, cp.n_cache_slots, kWhy);
+    }
   }
   backend.launch_cache(cp, q);
 }
@@ -353,26 +377,28 @@ void run_cache(const rope::CacheParams& cp, const Tensor& q, const Backend& back
 
 void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
                       const Tensor& positions, const Tensor& cos_sin, const Tensor& key_cache,
-                      const Tensor& value_cache, const Tensor& slot_mapping,
+                      const Tensor& value_cache, const std::optional<Tensor>& slot_mapping,
                       const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                       const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved, bool inverse) {
+                      const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+                      const PageTableArg& page_table) {
   run_cache(make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
                               k_scale, v_scale, q_out, q_scale, interleaved, layout, rotary_offset,
-                              mrope_section, mrope_interleaved, inverse),
+                              mrope_section, mrope_interleaved, inverse, page_table),
             q, backend);
 }
 
 void mla_rotary_cache_(const Backend& backend, const Tensor& q, const Tensor& kv_c,
                        const Tensor& k_pe, const Tensor& positions, const Tensor& cos_sin,
-                       const Tensor& kv_cache, const Tensor& slot_mapping,
+                       const Tensor& kv_cache, const std::optional<Tensor>& slot_mapping,
                        const std::optional<Tensor>& kv_scale, const std::optional<Tensor>& q_out,
                        const std::optional<Tensor>& q_scale, bool interleaved,
-                       int64_t rotary_offset, bool inverse) {
-  run_cache(make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping,
-                                  kv_scale, q_out, q_scale, interleaved, rotary_offset, inverse),
-            q, backend);
+                       int64_t rotary_offset, bool inverse, const PageTableArg& page_table) {
+  run_cache(
+      make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping, kv_scale,
+                            q_out, q_scale, interleaved, rotary_offset, inverse, page_table),
+      q, backend);
 }
 
 rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,

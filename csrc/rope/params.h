@@ -127,10 +127,27 @@ struct PagedCache {
   const float* scale;                             // fp8: one float32 (device memory)
 };
 
+// FlashInfer's page table (append_paged_kv_cache): token t < n_tokens goes
+// to entry pos[t] of request b = batch[t] (-1: not written), whose pages are
+// indices[indptr[b] .. indptr[b + 1]) and, with last_len, whose length is
+// max(pages - 1, 0) * block_size + last_len[b]. Each tensor int32 or int64
+// (bit i of int64_mask: the i-th in the order below), contiguous.
+struct PageTable {
+  const void* batch;     // [n_tokens]; null: no page table
+  const void* pos;       // [n_tokens]
+  const void* indices;   // [n_indices]
+  const void* indptr;    // [batch_size + 1]
+  const void* last_len;  // [batch_size], or null
+  int64_t n_tokens, n_indices, batch_size;
+  int64_t n_blocks;  // the cache's pages
+  uint32_t int64_mask;
+};
+
 // RoPE + KV-cache write (rope_ext::rotary_qk_cache_). q [T, Hq, D] and k [T,
 // Hk, D] are rotated as rope (t[0] = q, t[1] = k in place; q may go to a
 // separate output of its dtype), then rotated k and v [T, Hk, Dv] are stored
-// in the caches at slot_mapping[t] for t < n_slots, slot >= 0.
+// in the caches at slot_mapping[t] for t < n_slots, slot >= 0 (or at the
+// slots of a page table).
 //
 // The MLA cache write (rope_ext::mla_rotary_cache_) is the same op on views:
 // k is k_pe [T, 1, rotary_dim], rotated whole (k_dim = rotary_dim,
@@ -161,8 +178,11 @@ struct CacheParams {
   PagedCache key_cache, value_cache;
   Fp8 cache_fp8;
   int64_t block_size, n_cache_slots;  // n_cache_slots = num_blocks * block_size
+  // Token t's slot: slots[t] for t < n_slots, or from the page table when
+  // pages.batch is set (slots null, n_slots 0).
   const int64_t* slots;
   int64_t n_slots;  // slot_mapping.numel() <= T
+  PageTable pages;
 };
 
 // Re-rotation of cached keys (rope_ext::rerotate_kv_cache_): every head of

@@ -95,9 +95,68 @@ ROPE_HD int64_t slot_offset(const PagedCache& c, int64_t block_size, int64_t slo
   return block * c.block_stride + (slot - block * block_size) * c.row_stride;
 }
 
+// Element i of a page-table tensor (bit `which` of int64_mask: int64).
+ROPE_HD int64_t page_index(const PageTable& pt, const void* x, int which, int64_t i) {
+  return (pt.int64_mask >> which) & 1u ? static_cast<const int64_t*>(x)[i]
+                                       : int64_t(static_cast<const int32_t*>(x)[i]);
+}
+
+// Why a page-table token has no slot.
+enum class PageFault : int32_t {
+  kNone = 0,
+  kSkipped,   // batch index -1, or t past the page table's tokens
+  kBatch,     // batch index outside [0, batch_size)
+  kIndptr,    // the request's pages outside [0, n_indices), or indptr decreasing
+  kLastLen,   // last_len outside [0, block_size]
+  kPosition,  // position negative, past the request's pages or past its length
+  kPage,      // page index outside [0, n_blocks)
+};
+
+// Token t's slot in a page table, and what was read to find it (b: the
+// request, page: the index into indices; -1 when not read).
+struct PageSlot {
+  int64_t slot;  // -1 unless fault is kNone
+  PageFault fault;
+  int64_t b, page;
+};
+
+// The slot of token t of a page table: page indices[indptr[b] + pos /
+// block_size], row pos % block_size. Every index is checked before it is
+// read through, so a bad table yields a fault, not a stray read.
+ROPE_HD PageSlot page_slot(const PageTable& pt, int64_t block_size, int64_t t) {
+  PageSlot r{-1, PageFault::kSkipped, -1, -1};
+  if (t >= pt.n_tokens) return r;
+  const int64_t b = page_index(pt, pt.batch, 0, t);
+  if (b == -1) return r;
+  r.fault = PageFault::kBatch;
+  if (b < 0 || b >= pt.batch_size) return r;
+  r.b = b;
+  const int64_t first = page_index(pt, pt.indptr, 3, b), end = page_index(pt, pt.indptr, 3, b + 1);
+  r.fault = PageFault::kIndptr;
+  if (first < 0 || first > end || end > pt.n_indices) return r;
+  const int64_t last = pt.last_len ? page_index(pt, pt.last_len, 4, b) : block_size;
+  r.fault = PageFault::kLastLen;
+  if (last < 0 || last > block_size) return r;
+  // Entry e is row e % block_size of the request's page e / block_size; in its last page, a row
+  // below last_len (the request's length: max(pages - 1, 0) * block_size + last_len).
+  const int64_t e = page_index(pt, pt.pos, 1, t);
+  r.fault = PageFault::kPosition;
+  if (e < 0 || block_size == 0) return r;
+  const int64_t in_page = e / block_size, row = e - in_page * block_size;
+  if (in_page >= end - first || (in_page == end - first - 1 && row >= last)) return r;
+  r.page = first + in_page;
+  const int64_t page = page_index(pt, pt.indices, 2, r.page);
+  r.fault = PageFault::kPage;
+  if (page < 0 || page >= pt.n_blocks) return r;
+  r.fault = PageFault::kNone;
+  r.slot = page * block_size + row;
+  return r;
+}
+
 // The cache slot of token t, or -1 when nothing is written for it (slot -1,
-// t past slot_mapping, or a slot outside the cache).
+// t past slot_mapping, a slot outside the cache, or a page-table fault).
 ROPE_HD int64_t token_slot(const CacheParams& p, int64_t t) {
+  if (p.pages.batch) return page_slot(p.pages, p.block_size, t).slot;
   if (t >= p.n_slots) return -1;
   const int64_t s = p.slots[t];
   return s >= 0 && s < p.n_cache_slots ? s : -1;

@@ -29,29 +29,29 @@ std::vector<int64_t> emulate(const rope::CacheParams& cp, int64_t n_q_tokens, in
 
 }  // namespace
 
-std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor positions,
-                                         Tensor cos_sin, Tensor key_cache, Tensor value_cache,
-                                         Tensor slot_mapping, std::optional<Tensor> k_scale,
-                                         std::optional<Tensor> v_scale, std::optional<Tensor> q_out,
-                                         std::optional<Tensor> q_scale, bool interleaved,
-                                         std::string layout, int64_t num_sms, bool force_scalar,
-                                         int64_t rotary_offset, Sections mrope_section,
-                                         bool mrope_interleaved, bool inverse) {
-  const auto cp = make_cache_params(
-      q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale, v_scale, q_out,
-      q_scale, interleaved, layout, rotary_offset, mrope_section, mrope_interleaved, inverse);
+std::vector<int64_t> cuda_emulated_cache(
+    Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor key_cache,
+    Tensor value_cache, std::optional<Tensor> slot_mapping, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, std::optional<Tensor> q_out, std::optional<Tensor> q_scale,
+    bool interleaved, std::string layout, int64_t num_sms, bool force_scalar, int64_t rotary_offset,
+    Sections mrope_section, bool mrope_interleaved, bool inverse, PageTableArg page_table) {
+  const auto cp =
+      make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
+                        v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section,
+                        mrope_interleaved, inverse, page_table);
   return emulate(cp, q.size(0), num_sms, force_scalar);
 }
 
 std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tensor positions,
-                                       Tensor cos_sin, Tensor kv_cache, Tensor slot_mapping,
+                                       Tensor cos_sin, Tensor kv_cache,
+                                       std::optional<Tensor> slot_mapping,
                                        std::optional<Tensor> kv_scale, std::optional<Tensor> q_out,
                                        std::optional<Tensor> q_scale, bool interleaved,
                                        int64_t rotary_offset, int64_t num_sms, bool force_scalar,
-                                       bool inverse) {
+                                       bool inverse, PageTableArg page_table) {
   const auto cp =
       make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping, kv_scale,
-                            q_out, q_scale, interleaved, rotary_offset, inverse);
+                            q_out, q_scale, interleaved, rotary_offset, inverse, page_table);
   return emulate(cp, q.size(0), num_sms, force_scalar);
 }
 

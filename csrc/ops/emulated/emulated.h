@@ -24,23 +24,22 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
 
 // rope_ext::_cuda_emulated_cache: the CUDA body of rotary_qk_cache_ (slots
 // outside the cache skipped, no position check, as on the GPU).
-std::vector<int64_t> cuda_emulated_cache(Tensor q, Tensor k, Tensor v, Tensor positions,
-                                         Tensor cos_sin, Tensor key_cache, Tensor value_cache,
-                                         Tensor slot_mapping, std::optional<Tensor> k_scale,
-                                         std::optional<Tensor> v_scale, std::optional<Tensor> q_out,
-                                         std::optional<Tensor> q_scale, bool interleaved,
-                                         std::string layout, int64_t num_sms, bool force_scalar,
-                                         int64_t rotary_offset, Sections mrope_section,
-                                         bool mrope_interleaved, bool inverse);
+std::vector<int64_t> cuda_emulated_cache(
+    Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor key_cache,
+    Tensor value_cache, std::optional<Tensor> slot_mapping, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, std::optional<Tensor> q_out, std::optional<Tensor> q_scale,
+    bool interleaved, std::string layout, int64_t num_sms, bool force_scalar, int64_t rotary_offset,
+    Sections mrope_section, bool mrope_interleaved, bool inverse, PageTableArg page_table);
 
 // rope_ext::_cuda_emulated_mla: the CUDA body of mla_rotary_cache_, as
 // cuda_emulated_cache.
 std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tensor positions,
-                                       Tensor cos_sin, Tensor kv_cache, Tensor slot_mapping,
+                                       Tensor cos_sin, Tensor kv_cache,
+                                       std::optional<Tensor> slot_mapping,
                                        std::optional<Tensor> kv_scale, std::optional<Tensor> q_out,
                                        std::optional<Tensor> q_scale, bool interleaved,
                                        int64_t rotary_offset, int64_t num_sms, bool force_scalar,
-                                       bool inverse);
+                                       bool inverse, PageTableArg page_table);
 
 // rope_ext::_cuda_emulated_rerotate: the CUDA body of rerotate_kv_cache_ (slots
 // outside the cache and shifts outside the table skipped, as on the GPU).

@@ -76,17 +76,18 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
   // force_scalar) run on the CPU. Returns [grid_x, grid_y, block_x, block_y, vectorized].
   m.def(
       "_cuda_emulated_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
-      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
       "Tensor? k_scale, Tensor? v_scale, Tensor(e!)? q_out, Tensor? q_scale, bool interleaved, "
       "str layout, int num_sms, bool force_scalar, int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False) -> int[]");
+      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False, "
+      "Tensor[]? page_table=None) -> int[]");
   // The CUDA body of mla_rotary_cache_ (same arguments, then num_sms and
   // force_scalar) run on the CPU. Returns as _cuda_emulated_cache.
   m.def(
       "_cuda_emulated_mla(Tensor(a!) q, Tensor kv_c, Tensor(b!) k_pe, Tensor positions, "
-      "Tensor cos_sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor? kv_scale, "
+      "Tensor cos_sin, Tensor(c!) kv_cache, Tensor? slot_mapping, Tensor? kv_scale, "
       "Tensor(d!)? q_out, Tensor? q_scale, bool interleaved, int rotary_offset, int num_sms, "
-      "bool force_scalar, bool inverse=False) -> int[]");
+      "bool force_scalar, bool inverse=False, Tensor[]? page_table=None) -> int[]");
   // The CUDA body of rerotate_kv_cache_ (same arguments, then num_sms and
   // force_scalar) run on the CPU. Returns [grid_x, grid_y, block_x, block_y, vectorized].
   m.def(

@@ -106,8 +106,29 @@ ROPE_HD float scale_or_one(const float* s) {
   return *s;
 }
 
-// token_slot, its read of slot_mapping reported.
+// Element i of page-table tensor `which` reported as read.
+ROPE_HD void note_page_read(const PageTable& pt, const void* x, int which, int64_t i) {
+  const int64_t size = (pt.int64_mask >> which) & 1u ? 8 : 4;
+  note_read(static_cast<const char*>(x) + i * size, size);
+}
+
+// token_slot, its reads of slot_mapping or of the page table reported.
 ROPE_HD int64_t slot_of(const CacheParams& cp, int64_t token) {
+  if (cp.pages.batch) {
+    const PageTable& pt = cp.pages;
+    const PageSlot s = page_slot(pt, cp.block_size, token);
+    if (token < pt.n_tokens) {
+      note_page_read(pt, pt.batch, 0, token);
+      note_page_read(pt, pt.pos, 1, token);
+    }
+    if (s.b >= 0) {
+      note_page_read(pt, pt.indptr, 3, s.b);
+      note_page_read(pt, pt.indptr, 3, s.b + 1);
+      if (pt.last_len) note_page_read(pt, pt.last_len, 4, s.b);
+    }
+    if (s.page >= 0) note_page_read(pt, pt.indices, 2, s.page);
+    return s.slot;
+  }
   if (token < cp.n_slots) note_read(cp.slots + token, sizeof(int64_t));
   return token_slot(cp, token);
 }
