@@ -8,7 +8,7 @@ initcheck. Each case calls a public op once or twice on CUDA tensors, covering e
   (contiguous and interleaved sections), decode (T = 1: heads split over blocks), int32 positions, a cos/sin
   table in x's dtype, ``varlen_positions`` (with context parallelism) feeding a rotation;
 * ``apply_rotary_qk_and_cache_``: caches of q's dtype (NHD and HND), fp8 caches with scales, a q_out of q's
-  dtype and fp8 q_out, packed q/k/v views, cache views, padding slots, MRoPE;
+  dtype and fp8 q_out, packed q/k/v views, cache views, padding slots, MRoPE, FlashInfer page tables;
 * ``apply_mla_rotary_and_cache_``: latent caches of q's dtype and fp8, q_out of q's dtype and fp8, kv_c and
   k_pe as views of one projection, shapes no vector access fits, a DeepSeek-V3 decode step;
 * ``rerotate_kv_cache_``: float and fp8 caches, NHD and HND, shifts of both signs, one shift for all,
@@ -162,7 +162,7 @@ def _rotary_cases() -> None:
 
 def _cache_call(
     x: Inputs, dtype, *, t=6, hq=4, hk=2, d=64, r=64, off=0, dv=None, lead=0, layout="NHD", cache_dtype=None,
-    q_out=None, packed=False, view=False, block_size=4, interleaved=False, mrope=None,
+    q_out=None, packed=False, view=False, block_size=4, interleaved=False, mrope=None, paged=False,
 ) -> list[torch.Tensor]:  # fmt: skip
     dv = d if dv is None else dv
     if packed:
@@ -181,12 +181,29 @@ def _cache_call(
     kc, vc = cache(d), cache(dv)
     qo = None if q_out is None else x.cache((t, hq, d), dtype if q_out == "same" else q_out)
     pos = x.positions(t) if mrope is None else x.positions(3, t)
+    slots = x.slots(t, nb * block_size)
+    where = {"page_table": _page_table(slots, block_size)} if paged else {"slot_mapping": slots}
     rope_ext.apply_rotary_qk_and_cache_(
-        q, k, v, pos, x.table(r), kc, vc, x.slots(t, nb * block_size), interleaved=interleaved, layout=layout,
+        q, k, v, pos, x.table(r), kc, vc, interleaved=interleaved, layout=layout,
         k_scale=x.scale(0.37), v_scale=x.scale(1.9), q_out=qo, q_scale=x.scale(0.61), rotary_offset=off,
-        mrope_section=mrope, mrope_interleaved=False,
+        mrope_section=mrope, mrope_interleaved=False, **where,
     )  # fmt: skip
     return [t_ for t_ in (q, k, kc, vc, qo) if t_ is not None]
+
+
+def _page_table(slots: torch.Tensor, block_size: int) -> rope_ext.PageTable:
+    """FlashInfer's page table placing token t at slots[t] (slot -1: batch index -1): the tokens in two
+    requests, the second with an int64 page list; each page holds one token's row."""
+    t, i32 = slots.shape[0], torch.int32
+    rows = (slots.clamp_min(0) % block_size).to(i32)
+    half = t // 2
+    # request 0: tokens [0, half), request 1: the rest; each token its own page in its request's list
+    batch = (torch.arange(t, device=slots.device) >= half).to(i32).masked_fill(slots < 0, -1)
+    pos = torch.arange(t, device=slots.device)
+    pos = torch.where(pos < half, pos, pos - half) * block_size + rows
+    pages = (slots.clamp_min(0) // block_size).to(torch.int64)
+    indptr = torch.tensor([0, half, t], dtype=i32, device=slots.device)
+    return rope_ext.PageTable(batch, pos.to(i32), pages, indptr, None)
 
 
 def _cache_cases() -> None:
@@ -200,6 +217,8 @@ def _cache_cases() -> None:
         "odd-e5m2-hnd": dict(d=12, r=6, off=6, dv=7, lead=1, cache_dtype=E5M2, layout="HND", q_out=E5M2),
         "decode": dict(t=1, hq=8, r=32, off=32, block_size=16),
         "mrope": dict(mrope=(16, 8, 8), cache_dtype=E4M3),
+        "paged-hnd": dict(layout="HND", paged=True),
+        "paged-e4m3-decode": dict(t=1, hq=8, r=32, block_size=16, cache_dtype=E4M3, paged=True),
     }
     for dname, dtype in DTYPES.items():
         for vname, kw in variants.items():

@@ -75,6 +75,42 @@ def test_cache_write_graph_replay_with_new_slots(cache_dtype, layout):
         _check(qkv, qkv0, pos, cs, kc, vc, kc0, vc0, slots, scale, layout)
 
 
+def _page_table(slots: torch.Tensor) -> rope_ext.PageTable:
+    """A page table (int32) placing token t at slots[t] (-1: batch index -1): requests of one page each."""
+    i32, t = torch.int32, slots.shape[0]
+    rows = (slots.clamp_min(0) % BS).to(i32)
+    batch = torch.arange(t, dtype=i32, device="cuda").masked_fill(slots < 0, -1)
+    indptr = torch.arange(t + 1, dtype=i32, device="cuda")
+    return rope_ext.PageTable(batch, rows, (slots.clamp_min(0) // BS).to(i32), indptr, rows + 1)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_page_table_graph_replay_with_new_tables(layout):
+    """The page table is read by the kernel: a captured call replays with new tables copied into it."""
+    qkv, pos, cs, kc, vc, slots, scale = _cache_inputs(torch.float8_e4m3fn, layout)
+    qkv0, kc0, vc0 = qkv.clone(), kc.clone(), vc.clone()
+    q, k, v = _split(qkv)
+    table = _page_table(slots)
+    kw = dict(layout=layout, k_scale=scale, v_scale=scale, page_table=table)
+    rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, **kw)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        qkv.copy_(qkv0)
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        new = torch.randperm(NB * BS, device="cuda", generator=g)[:T]
+        new[::5] = -1
+        for dst, src in zip(table, _page_table(new), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(qkv, qkv0, pos, cs, kc, vc, kc0, vc0, new, scale, layout)
+
+
 def test_cache_write_deterministic_and_fp8_q_out():
     qkv, pos, cs, kc, vc, slots, scale = _cache_inputs(torch.float8_e4m3fn)
     runs = []

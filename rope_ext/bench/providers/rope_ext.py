@@ -9,7 +9,10 @@ Serving modes, on views q, k, v of a packed qkv:
   ``rope_ext unfused`` (the baseline) the two-op eager path of a server without the fusion:
   ``apply_rotary_qk_`` in place, then ``index_copy_`` of k's and v's rows into the caches viewed as
   ``[num_slots, Hkv, D]`` (fp8 caches: :func:`rope_ext.reference.quantize_fp8`'s torch ops first, and
-  the copy on the caches' bytes, as CPU torch has no fp8 ``index_copy_``);
+  the copy on the caches' bytes, as CPU torch has no fp8 ``index_copy_``); ``rope_ext page table`` the
+  fused op placing the same tokens through FlashInfer's page table (``page_table=``, int32): each token a
+  request of one page (``kv_indices = slot // block_size``, ``positions = slot % block_size``, the token
+  the last entry), the form of a decode batch, so that it writes the slots of the others;
 * ``qknorm``: ``rope_ext`` is the fused ``rope_ext.apply_qk_norm_rotary_`` on the packed ``[T, (Hq +
   2 Hkv) * D]``; its unfused references are in :mod:`.hf`.
 
@@ -110,6 +113,37 @@ def _rope_ext_cache(fp8: bool):
     return build
 
 
+def page_table_of(slots: Tensor, block_size: int) -> rope_ext.PageTable:
+    """A page table (int32) that places token t at ``slots[t]``: each token a request of one page."""
+    i32, t = torch.int32, slots.shape[0]
+    rows = (slots % block_size).to(i32)
+    return rope_ext.PageTable(
+        torch.arange(t, dtype=i32),
+        rows,
+        (slots // block_size).to(i32),
+        torch.arange(t + 1, dtype=i32),
+        rows + 1,
+    )
+
+
+def _rope_ext_cache_paged(fp8: bool):
+    def build(case: Case) -> Runner:
+        q, k, v, kc, vc = _cache_inputs(case, fp8)
+        s = case.serving
+        pos, cs, il, sec = case.positions, case.cos_sin, case.interleaved, case.mrope_section
+        table = page_table_of(s.slot_mapping, kc.shape[1])
+        scales = {"k_scale": s.k_scale, "v_scale": s.v_scale} if fp8 else {}
+        apply = rope_ext.apply_rotary_qk_and_cache_
+
+        def run() -> tuple[Tensor, ...]:
+            apply(q, k, v, pos, cs, kc, vc, page_table=table, interleaved=il, mrope_section=sec, **scales)
+            return q, k, kc, vc
+
+        return run
+
+    return build
+
+
 def _rope_ext_cache_unfused(fp8: bool):
     def build(case: Case) -> Runner:
         q, k, v, kc, vc = _cache_inputs(case, fp8)
@@ -144,6 +178,7 @@ def _rope_ext_cache_unfused(fp8: bool):
 
 for _mode, _fp8 in (("cache", False), ("cache-fp8", True)):
     provider("rope_ext", _mode)(_rope_ext_cache(_fp8))
+    provider("rope_ext page table", _mode)(_rope_ext_cache_paged(_fp8))
     provider("rope_ext unfused", _mode, baseline=True)(_rope_ext_cache_unfused(_fp8))
 del _mode, _fp8
 
