@@ -21,11 +21,11 @@ The serving ops:
   ``rotary_qk`` / ``rotary_qk_``, with the norm weights replicated;
 * ``rotary_qk_cache_`` (a paged cache is indexed by global slots, so tokens are never split): everything
   replicated, or q, k, v sharded on heads (tensor parallel) with both caches sharded on their head dim
-  (dim 2 for ``"NHD"``, 1 for ``"HND"``) and q_out like q; positions, cos_sin, slot_mapping and the
-  scales replicated;
+  (dim 2 for ``"NHD"``, 1 for ``"HND"``) and q_out like q; positions, cos_sin, slot_mapping (or every
+  tensor of page_table) and the scales replicated;
 * ``mla_rotary_cache_`` (the latent cache has no head dim): everything replicated, or q (and q_out)
-  sharded on heads with kv_c, k_pe, the cache and the rest replicated (each rank writes the same rows
-  into its replica);
+  sharded on heads with kv_c, k_pe, the cache and the rest (slot_mapping or page_table) replicated (each
+  rank writes the same rows into its replica);
 * ``rerotate_kv_cache_``: the cache replicated or sharded on its head dim, the rest replicated.
 
 Anything else (the last dim sharded, ``Partial`` placements, q / k / positions sharded inconsistently)
@@ -171,12 +171,23 @@ def register_sharding_rules() -> bool:
     def rule(spec: OpSpec) -> Callable[[Callable[[Any], Any]], None]:
         """Registers the decorated function as the rule of every overload of ``spec``. It takes the call's
         arguments by name and returns (output placements, {argument name: placement}) pairs; an argument it
-        does not name gets None (a non-tensor, or a tensor option not given)."""
+        does not name gets None (a non-tensor), as does one that is None (a tensor option not given, the
+        slot_mapping of a cache write given a page_table). A tensor list (``Tensor[]``: page_table) gets
+        its placement once per tensor: DTensor flattens the list, so its tensors are inputs of their own."""
+
+        def placements(args: tuple, ins: dict[str, Any]) -> list[Any]:
+            out: list[Any] = []
+            for name, value in zip(spec.names, args, strict=False):
+                placement = None if value is None else ins.get(name)
+                if isinstance(value, (list, tuple)):
+                    out.extend([placement] * len(value))
+                else:
+                    out.append(placement)
+            return out
 
         def register(fn: Callable[[Any], Any]) -> None:
             def sharding(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
-                names = spec.names[: len(args)]
-                return [(outs, [ins.get(n) for n in names]) for outs, ins in fn(spec.bind(args, kwargs))]
+                return [(outs, placements(args, ins)) for outs, ins in fn(spec.bind(args, kwargs))]
 
             register_sharding(list(spec.overloads))(sharding)
 
@@ -235,7 +246,7 @@ def register_sharding_rules() -> bool:
         def inputs(x: Any, c: Any) -> dict[str, Any]:
             scales = {n: R for n in ("k_scale", "v_scale", "q_scale") if getattr(a, n) is not None}
             q_out = {} if a.q_out is None else {"q_out": x}  # placed like q
-            fixed = {"positions": R, "cos_sin": R, "slot_mapping": R}
+            fixed = {"positions": R, "cos_sin": R, "slot_mapping": R, "page_table": R}
             return {"q": x, "k": x, "v": x, "key_cache": c, "value_cache": c, **fixed, **scales, **q_out}
 
         return [([], inputs(R, R)), ([], inputs(Shard(1), Shard(cache_heads)))]
@@ -247,6 +258,7 @@ def register_sharding_rules() -> bool:
             scales = {n: R for n in ("kv_scale", "q_scale") if getattr(a, n) is not None}
             q_out = {} if a.q_out is None else {"q_out": x}
             fixed = {n: R for n in ("kv_c", "k_pe", "positions", "cos_sin", "kv_cache", "slot_mapping")}
+            fixed["page_table"] = R
             return {"q": x, **fixed, **scales, **q_out}
 
         return [([], inputs(R)), ([], inputs(Shard(1)))]

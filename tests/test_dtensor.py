@@ -3,7 +3,8 @@
 Every op (rotary, rotary_qk, rotary_qk_, and the backward through DTensor autograd) gives the single-device
 result with the expected output placements for q / k sharded on heads, tokens or batch (positions sharded
 along or replicated), on a 2-D mesh, with MRoPE and rotary_offset; the last dim sharded, Partial inputs and
-inconsistent shardings are redistributed first. Context parallelism: each rank rotates its load-balanced
+inconsistent shardings are redistributed first. The serving ops too, the cache writes placed by slot_mapping
+or by a page table. Context parallelism: each rank rotates its load-balanced
 chunks with ``varlen_positions(..., cp_size, cp_rank)``; gathered, they equal the full-sequence rotation.
 """
 
@@ -363,6 +364,87 @@ def _rerotate(rank, world_size):
                             same = torch.equal(dc.full_tensor(), want)
                         assert same, (fp8, layout, pl, call, shift)
     return True
+
+
+def _page_table_cache(rank, world_size):
+    """The cache writes placed by a page table on DTensors: GQA (NHD and HND; q, k, v sharded on heads with
+    the caches on their head dim, or everything replicated) and MLA (q sharded on heads or replicated), the
+    page table's tensors replicated (int32, then int64 without kv_last_page_len), through the API and the
+    bare op; each equal to the single-device result, placements kept. A page table sharded on its one dim
+    is redistributed (replicated) first, as a sharded slot_mapping is."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import rope_ext
+
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    R = Replicate()
+    g = torch.Generator().manual_seed(6)
+    T, H, HK, D, NB, BS = 10, 4, 2, 32, 8, 4
+    q, k, v = (torch.randn(T, h, D, generator=g).to(DEVICE) for h in (H, HK, HK))
+    kv = torch.randn(T, 16 + D, generator=g).to(DEVICE)
+    pos = torch.randint(0, 64, (T,), generator=g).to(DEVICE)
+    cs = rope_ext.RopeCache(D, max_positions=64).cos_sin.to(DEVICE)
+    # two requests: pages [3, 5] holding 6 entries, pages [1, 7, 2] holding 9; a token of request -1
+    batch, entries = [0, 0, 0, 0, 1, 1, -1, 1, 1, 1], [2, 3, 4, 5, 3, 4, 0, 6, 7, 8]
+    tables = [
+        [batch, entries, [3, 5, 1, 7, 2], [0, 2, 5], [2, 1]],
+        [batch, entries, [3, 5, 1, 7, 2], [0, 2, 5]],
+    ]
+
+    def d(t, pl):  # a clone: a replicated DTensor shares its tensor's memory, and every call mutates
+        return distribute_tensor(t.clone(), mesh, [pl])
+
+    for dtype, table in zip((torch.int32, torch.int64), tables, strict=True):
+        pt = [torch.tensor(x, dtype=dtype, device=DEVICE) for x in table]
+        for layout, heads in (("NHD", 2), ("HND", 1)):
+            shape = (NB, BS, HK, D) if layout == "NHD" else (NB, HK, BS, D)
+            kc, vc = torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)
+            want = [q.clone(), k.clone(), kc.clone(), vc.clone()]
+            rope_ext.apply_rotary_qk_and_cache_(
+                *want[:2], v, pos, cs, *want[2:], page_table=pt, layout=layout
+            )
+            assert want[2].count_nonzero() > 0
+            for pl, cache_pl, pt_pl in (
+                (Shard(1), Shard(heads), R),
+                (R, R, R),
+                (Shard(1), Shard(heads), Shard(0)),
+            ):
+                for call in ("api", "op"):
+                    dq, dk, dkc, dvc = d(q, pl), d(k, pl), d(kc, cache_pl), d(vc, cache_pl)
+                    args = (dq, dk, d(v, pl), d(pos, R), d(cs, R), dkc, dvc)
+                    dpt = [d(t, pt_pl) for t in pt]
+                    if call == "api":
+                        rope_ext.apply_rotary_qk_and_cache_(*args, page_table=dpt, layout=layout)
+                    else:
+                        torch.ops.rope_ext.rotary_qk_cache_(*args, None, layout=layout, page_table=dpt)
+                    assert tuple(dq.placements) == (pl,) and tuple(dkc.placements) == (cache_pl,)
+                    got = [t.full_tensor() for t in (dq, dk, dkc, dvc)]
+                    assert all(map(torch.equal, got, want)), (dtype, layout, pl, pt_pl, call)
+        # MLA: the latent cache [NB, BS, 16 + D] replicated
+        want_q, want_kpe, want_cache = (
+            q.clone(),
+            kv[:, 16:].clone(),
+            torch.zeros(NB, BS, 16 + D, device=DEVICE),
+        )
+        rope_ext.apply_mla_rotary_and_cache_(want_q, kv[:, :16], want_kpe, pos, cs, want_cache, page_table=pt)
+        for pl, pt_pl in ((Shard(1), R), (R, R), (Shard(1), Shard(0))):
+            for call in ("api", "op"):
+                dq, dkpe, dcache = d(q, pl), d(kv[:, 16:], R), d(torch.zeros_like(want_cache), R)
+                args = (dq, d(kv[:, :16], R), dkpe, d(pos, R), d(cs, R), dcache)
+                dpt = [d(t, pt_pl) for t in pt]
+                if call == "api":
+                    rope_ext.apply_mla_rotary_and_cache_(*args, page_table=dpt)
+                else:
+                    torch.ops.rope_ext.mla_rotary_cache_(*args, None, page_table=dpt)
+                assert tuple(dq.placements) == (pl,) and tuple(dcache.placements) == (R,)
+                assert torch.equal(dq.full_tensor(), want_q) and torch.equal(dkpe.full_tensor(), want_kpe)
+                assert torch.equal(dcache.full_tensor(), want_cache), (dtype, pl, pt_pl, call)
+    return True
+
+
+@pytest.mark.slow
+def test_page_table_cache_on_two_ranks():
+    assert run_ranks(_page_table_cache, 2, timeout=240) == [True, True]
 
 
 @pytest.mark.slow

@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from _helpers import requires_emulation
 from _onnx_serving_cases import (
+    BLOCK_SIZE,
+    BLOCKS,
     HK,
     HQ,
+    PAGES,
+    TOKEN_DIMS,
     D,
     P,
     _cache,
@@ -194,6 +199,10 @@ CASES = [
          flat=True, rotary_embedding=0, extra=_rerotate_extra("HND", fp8=True)),
     Case("mla_rotary_cache_-interleaved-fp8-q_out", _mla(fp8=True, interleaved=True), rd=8, flat=True,
          extra=_mla_extra(fp8=True, q_out=True)),
+    Case("rotary_qk_cache_-page_table", _cache(), flat=True, extra=_cache_extra(paged=True)),
+    Case("rotary_qk_cache_-hnd-page_table-full-pages-q_out", _cache("HND"), flat=True,
+         extra=_cache_extra("HND", q_out=True, paged=True, last_page_len=False)),
+    Case("mla_rotary_cache_-page_table", _mla(), rd=8, flat=True, extra=_mla_extra(paged=True)),
 ]  # fmt: skip
 
 
@@ -212,8 +221,9 @@ class Alone(torch.nn.Module):
         return tuple(t.float() for t in outs)
 
     def dynamic(self) -> tuple:
-        """AUTO for the token dims (q, k, positions, slot_mapping, q_out); tables, weights, caches static."""
-        extra = tuple({0: AUTO} if n in ("slot_mapping", "q_out", "delta") else None for n in self.names)
+        """AUTO for the token dims (q, k, positions, slot_mapping or the page table's batch_indices and
+        positions, q_out, delta); tables, weights, caches and the page table's pages static."""
+        extra = tuple({0: AUTO} if n in TOKEN_DIMS else None for n in self.names)
         return ({0: AUTO}, {0: AUTO}, {int(bool(self.case.axes)): AUTO}, None) + ((extra,) if extra else ())
 
     def inputs(self, t: int) -> tuple:
@@ -374,6 +384,25 @@ def test_checker_and_rotary_embedding_nodes(exported):
 def test_runs_like_eager(exported, runtime):
     case, module, model = exported
     check_runs(module, model, runtime, case)
+
+
+@requires_emulation
+def test_page_table_tokens_not_placed_are_skipped_as_on_cuda():
+    """The tokens a page table cannot place (a request outside it, an entry outside its request, a page
+    outside the cache, a kv_last_page_len over the page size: the CPU op refuses such a table) are not
+    written, as the CUDA kernels skip them: ONNX Runtime against the CUDA kernel body run on the host."""
+    _need(ort, "onnxruntime")
+    case = next(c for c in CASES if c.name == "rotary_qk_cache_-page_table")
+    module = Alone(case).eval()
+    model = export(module, module.inputs(EXAMPLE_T), opset_version=23)
+    inputs = module.inputs(RUN_T[1])
+    q, k, p, cs, kc, vc, *table = inputs
+    table[0][0], table[1][2], table[1][3], table[2][PAGES[0]], table[4][2] = 3, 99, -1, BLOCKS, BLOCK_SIZE + 1
+    want = [q.clone(), k.clone(), kc.clone(), vc.clone()]
+    flags = (None,) * 5 + (False, "NHD", 132, False)
+    _ops._cuda_emulated_cache(*want[:2], k * 3 - 1, p, cs, *want[2:], *flags, page_table=table)
+    assert not torch.equal(want[2], kc)  # some tokens placed
+    assert_matches(run_ort(model, inputs), want, case, "onnxruntime", block=False)
 
 
 # Layouts: x of any rank, positions broadcast over the heads (rope_ext.onnx.export: public APIs only) -------

@@ -19,6 +19,9 @@ What each op becomes:
   activation dtype, then the rotation;
 * ``rotary_qk_cache_``: the rotation, then NonZero/Gather of the tokens with a slot and ScatterND into the
   caches (NHD and HND; fp8 caches: Div by the scale, Clip, a saturating Cast, scattered through float32);
+  with a ``page_table`` instead of ``slot_mapping``, each token's slot computed in the graph (Gather of
+  ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, Div/Mod by the block size), -1 (not written) where
+  the table places no token, as the CUDA kernels skip it;
 * ``mla_rotary_cache_``: the rotations of q and k_pe, then kv_c and the rotated k_pe concatenated and
   scattered into the latent cache as above;
 * ``rerotate_kv_cache_``: the rows at the slots gathered (GatherND), rotated by the cos/sin row

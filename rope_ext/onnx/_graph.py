@@ -16,7 +16,7 @@ from onnxscript import opset23 as op23
 
 from ..reference import mrope_rows
 
-__all__ = ["ExportError", "cache_write", "rms_norm", "rotate", "target_opset"]
+__all__ = ["ExportError", "cache_write", "page_slots", "rms_norm", "rotate", "target_opset"]
 
 RotaryEmbedding_OPSET = 23
 _FLOAT8 = {ir.DataType.FLOAT8E4M3FN: 448.0, ir.DataType.FLOAT8E5M2: 57344.0}
@@ -244,6 +244,48 @@ def cache_write(
     both ways are exact)."""
     tokens, index = _slot_rows(slots, cache, layout)
     return _scatter(cache, index, quantize(op.Gather(x, tokens, axis=0), scale, cache.dtype))
+
+
+def page_slots(page_table, cache: ir.Value, layout: str) -> ir.Value:
+    """The slots ``[T']`` (int64) of FlashInfer's page table ``(batch_indices, positions, kv_indices,
+    kv_indptr[, kv_last_page_len])`` (int32 or int64) in a paged ``cache``, as the kernels find them
+    (csrc/rope/serving.h, ``page_slot``): token t of request ``b = batch_indices[t]`` at entry ``e =
+    positions[t]`` goes to ``kv_indices[kv_indptr[b] + e // block_size] * block_size + e % block_size``;
+    -1 (not written) where ``b`` is -1 and wherever the table cannot place the token (a request outside
+    ``kv_indptr``, pages out of order, ``e`` outside the request's pages or at or past ``kv_last_page_len``
+    in its last page, a page outside the cache), as the CUDA kernels skip it. Every Gather reads a table
+    padded with one entry, which the index of a token that is not placed points at: in range whatever
+    the table holds."""
+    tables = [op.Cast(t, to=ir.DataType.INT64) for t in page_table]
+    batch, entry, indices, indptr = tables[:4]
+    shape = op.Shape(cache)
+    block_size = op.Gather(shape, 1 if layout == "NHD" else 2, axis=0)
+    blocks = op.Gather(shape, 0, axis=0)
+    size = op.Size(indptr)
+    n_requests, n_indices = op.Sub(size, 1), op.Size(indices)
+
+    def read(table: ir.Value, index: ir.Value, ok: ir.Value, end: ir.Value) -> ir.Value:
+        padded = op.Concat(table, _i64([-1]), axis=0)  # entry ``end``: what a token not placed reads
+        return op.Gather(padded, op.Where(ok, index, end), axis=0)
+
+    ok = op.And(op.GreaterOrEqual(batch, 0), op.Less(batch, n_requests))
+    first = read(indptr, batch, ok, size)
+    end = read(indptr, op.Add(batch, 1), ok, size)
+    ok = op.And(ok, op.And(op.GreaterOrEqual(first, 0), op.LessOrEqual(first, end)))
+    ok = op.And(ok, op.LessOrEqual(end, n_indices))
+    safe = op.Max(block_size, _i64([1]))  # a cache of 0 rows per block places nothing (ok below)
+    in_page, row = op.Div(entry, safe), op.Mod(entry, safe)
+    pages = op.Sub(end, first)
+    ok = op.And(ok, op.And(op.GreaterOrEqual(entry, 0), op.Less(in_page, pages)))
+    ok = op.And(ok, op.Greater(block_size, 0))
+    if len(tables) == 5:
+        last = read(tables[4], batch, ok, n_requests)
+        in_range = op.And(op.GreaterOrEqual(last, 0), op.LessOrEqual(last, block_size))
+        in_last = op.And(op.Equal(in_page, op.Sub(pages, 1)), op.GreaterOrEqual(row, last))
+        ok = op.And(ok, op.And(in_range, op.Not(in_last)))
+    page = read(indices, op.Add(first, in_page), ok, n_indices)
+    ok = op.And(ok, op.And(op.GreaterOrEqual(page, 0), op.Less(page, blocks)))
+    return op.Where(ok, op.Add(op.Mul(page, block_size), row), _i64([-1]))
 
 
 def _slot_rows(slots: ir.Value, cache: ir.Value, layout: str) -> tuple[ir.Value, ir.Value]:

@@ -32,7 +32,16 @@ from ..specs import (
     ROTARY_QK_,
     OpSpec,
 )
-from ._graph import ExportError, cache_write, quantize, rerotate_rows, rms_norm, rotate, static_dim
+from ._graph import (
+    ExportError,
+    cache_write,
+    page_slots,
+    quantize,
+    rerotate_rows,
+    rms_norm,
+    rotate,
+    static_dim,
+)
 
 __all__ = ["TWINS", "functionalize", "translations"]
 
@@ -156,7 +165,7 @@ def _rewrite(graph: torch.fx.Graph) -> bool:
 
 
 def _meta_value(fake_mode, twin, a):
-    values = [x.meta.get("val") if isinstance(x, torch.fx.Node) else x for x in a]
+    values = [torch.fx.node.map_arg(x, lambda n: n.meta.get("val")) for x in a]  # page_table: a list
     if fake_mode is None:
         return None
     with fake_mode:
@@ -244,6 +253,11 @@ def _qk_norm_rotary_packed_twin(*args, **kwargs):
     return op.Concat(*parts, axis=-1)
 
 
+def _slots(a, cache: ir.Value, layout: str) -> ir.Value:
+    """A cache write's slots: its slot_mapping, or those its page table gives (-1 where it places none)."""
+    return a.slot_mapping if a.page_table is None else page_slots(a.page_table, cache, layout)
+
+
 def _rotary_qk_cache_twin(*args, **kwargs):
     a = CACHE.bind(args, kwargs)
     name = "rotary_qk_cache_"
@@ -253,8 +267,9 @@ def _rotary_qk_cache_twin(*args, **kwargs):
     q_rot = rotate(a.q, a.positions, a.cos_sin, op_name=name, **(opts | {"inverse": a.inverse}))
     k_rot = rotate(a.k, a.positions, a.cos_sin, op_name=name, **opts)
     fp8 = a.key_cache.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
-    key_cache = cache_write(k_rot, a.key_cache, a.slot_mapping, a.k_scale if fp8 else None, a.layout)
-    value_cache = cache_write(a.v, a.value_cache, a.slot_mapping, a.v_scale if fp8 else None, a.layout)
+    slots = _slots(a, a.key_cache, a.layout)
+    key_cache = cache_write(k_rot, a.key_cache, slots, a.k_scale if fp8 else None, a.layout)
+    value_cache = cache_write(a.v, a.value_cache, slots, a.v_scale if fp8 else None, a.layout)
     if a.q_out is None:
         return q_rot, k_rot, key_cache, value_cache, _empty_like(a.q)
     q_scale = a.q_scale if a.q_out.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2) else None
@@ -271,7 +286,7 @@ def _mla_rotary_cache_twin(*args, **kwargs):
     # the cache rows [T, kv_lora_rank + rotary_dim]: kv_c, then the rotated k_pe
     rows = op.Concat(a.kv_c, op.Reshape(k_rot, [0, -1]), axis=-1)
     fp8 = a.kv_cache.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
-    kv_cache = cache_write(rows, a.kv_cache, a.slot_mapping, a.kv_scale if fp8 else None, "NHD")
+    kv_cache = cache_write(rows, a.kv_cache, _slots(a, a.kv_cache, "NHD"), a.kv_scale if fp8 else None, "NHD")
     if a.q_out is None:
         return q_rot, k_rot, kv_cache, _empty_like(a.q)
     q_scale = a.q_scale if a.q_out.dtype in (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2) else None
