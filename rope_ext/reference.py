@@ -524,3 +524,67 @@ def mla_cache_write(
         v_scale=kv_scale,
     )
     return q_new, k_new.reshape(k_pe.shape), torch.cat([vc, kc], dim=-1)[:, :, 0]
+
+
+# FlashInfer's page table: the slot of each token -----------------------------------------------------------
+
+__all__ += ["page_table_slots"]
+
+
+def page_table_slots(
+    batch_indices: Tensor,
+    positions: Tensor,
+    kv_indices: Tensor,
+    kv_indptr: Tensor,
+    kv_last_page_len: Tensor | None,
+    block_size: int,
+    num_blocks: int,
+) -> Tensor:
+    """The slot mapping of a page table (:class:`rope_ext.PageTable`, FlashInfer's ``append_paged_kv_cache``
+    arguments), in plain Python: int64 ``[T']`` on the CPU, for the cache ops' ``slot_mapping``.
+
+    Token ``t`` (``T' = len(batch_indices)``) is entry ``e = positions[t]`` of request ``b =
+    batch_indices[t]``: slot ``page * block_size + e % block_size`` with ``page = kv_indices[kv_indptr[b] +
+    e // block_size]``. ``-1`` (not written) when ``b == -1``, and also for every token the table cannot
+    place, as the CUDA kernels skip it (the CPU op raises instead): ``b`` outside ``[0, batch_size)``
+    (``batch_size = len(kv_indptr) - 1``); the request's pages ``kv_indptr[b] .. kv_indptr[b + 1]`` not in
+    order within ``[0, len(kv_indices)]``; ``kv_last_page_len[b]`` outside ``[0, block_size]``; ``e``
+    negative or past the request (its pages, and with ``kv_last_page_len`` its length ``max(pages - 1, 0) *
+    block_size + kv_last_page_len[b]``); a page outside ``[0, num_blocks)``. Slots are not checked for
+    repeats (:func:`kv_cache_write` refuses them). Integer 1-d tensors; ``batch_indices`` and
+    ``positions`` of one length, ``kv_last_page_len`` (or None) ``[batch_size]`` (ValueError otherwise).
+    """
+    tables = (batch_indices, positions, kv_indices, kv_indptr)
+    tables += () if kv_last_page_len is None else (kv_last_page_len,)
+    if not all(_is_int(x) and x.dim() == 1 for x in tables):
+        raise ValueError("page table tensors must be integer and 1-d")
+    batch, pos, indices, indptr = (x.tolist() for x in tables[:4])
+    n_req = len(indptr) - 1
+    if len(pos) != len(batch) or n_req < 0:
+        raise ValueError(
+            f"batch_indices and positions must be [T'] and kv_indptr [batch_size + 1], got {len(batch)}, "
+            f"{len(pos)}, {len(indptr)}"
+        )
+    last = None if kv_last_page_len is None else kv_last_page_len.tolist()
+    if last is not None and len(last) != n_req:
+        raise ValueError(f"kv_last_page_len must be [batch_size] = [{n_req}], got [{len(last)}]")
+
+    def slot(b: int, e: int) -> int:
+        if not 0 <= b < n_req:
+            return -1
+        first, end = indptr[b], indptr[b + 1]
+        if not 0 <= first <= end <= len(indices):
+            return -1
+        pages = end - first
+        length = pages * block_size
+        if last is not None:
+            if not 0 <= last[b] <= block_size:
+                return -1
+            length = max(pages - 1, 0) * block_size + last[b]
+        if block_size <= 0 or not 0 <= e < min(length, pages * block_size):
+            return -1
+        page = indices[first + e // block_size]
+        return page * block_size + e % block_size if 0 <= page < num_blocks else -1
+
+    slots = [-1 if b == -1 else slot(b, e) for b, e in zip(batch, pos, strict=True)]
+    return torch.tensor(slots, dtype=torch.int64)

@@ -52,8 +52,9 @@ def _bare_serving(**over):
         q_out=None,
         q_scale=None,
     )
+    kw = {n: over.pop(n) for n in list(over) if n not in a}
     a.update(over)
-    return lambda: torch.ops.rope_ext.rotary_qk_cache_(*a.values())
+    return lambda: torch.ops.rope_ext.rotary_qk_cache_(*a.values(), **kw)
 
 
 def _rerotate(**over):
@@ -78,6 +79,8 @@ X = torch.randn(T, HQ, D)
 POS = torch.arange(T)[:, None]
 E4M3 = torch.float8_e4m3fn
 QKV_INT = torch.zeros(T, 4 * D, dtype=torch.int32)
+# A page table (batch_indices, positions, kv_indices, kv_indptr) whose batch_indices are float.
+PAGE_TABLE_F32 = [torch.zeros(T), torch.arange(T), torch.tensor([0]), torch.tensor([0, 1])]
 # message fragment: (public call, bare op call)
 CASES = {
     "x must be a floating tensor": (
@@ -117,6 +120,14 @@ CASES = {
     "slot_mapping must be an int64 tensor": (
         _serving(slot_mapping=torch.arange(T, dtype=torch.int32)),
         _bare_serving(slot_mapping=torch.arange(T, dtype=torch.int32)),
+    ),
+    "slot_mapping must be a tensor, got None (or pass page_table)": (
+        _serving(slot_mapping=None),
+        _bare_serving(slot_mapping=None),
+    ),
+    "page_table's batch_indices must be an int32 or int64 tensor": (
+        _serving(slot_mapping=None, page_table=PAGE_TABLE_F32),
+        _bare_serving(slot_mapping=None, page_table=PAGE_TABLE_F32),
     ),
     "k_scale must be a float32 tensor of one element": (
         _serving(
