@@ -3,10 +3,11 @@
 
 A patch is planned in full before anything changes (:func:`_plan`: each ``rotary_emb`` module and the
 ``apply_rotary*`` functions the modules under its parent call, each checked against rope_ext by
-:mod:`.probes`), so a failed check leaves the model and its modeling modules as they were. Functions are
-swapped in their modeling module (per class, not per instance) for :func:`_make_patched` stand-ins, which
-run rope_ext's op where it computes the same and the original function otherwise; ``_ORIGINALS`` keeps the
-originals for :func:`unpatch_transformers`.
+:mod:`.probes`; then the rotation functions of the vision part, checked by :mod:`.vision`), so a failed
+check leaves the model and its modeling modules as they were. Functions are swapped in their modeling module
+(per class, not per instance) for :func:`_make_patched` stand-ins (vision functions: the diffusers patcher's
+stand-in), which run rope_ext's op where it computes the same and the original function otherwise;
+``_ORIGINALS`` keeps the originals for :func:`unpatch_transformers`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from .qk_norm import (
     _restore_norms,
 )
 from .rotation import _rotate, _Rotation
+from .vision import _ATTR as _VISION_ATTR
+from .vision import _SKIPPED_ATTR as _VISION_SKIPPED_ATTR
+from .vision import _make_stand_in, _vision_plan, _VisionPlan
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -44,10 +48,12 @@ __all__ = [
 # The stand-in for a modeling module's function
 
 
-def _make_patched(original: Callable, rot: _Rotation, sig: _Signature) -> Callable:
+def _make_patched(original: Callable, rot: _Rotation, sig: _Signature, check_pairs: bool = False) -> Callable:
     """``original``'s stand-in: rope_ext's op computing ``rot`` where it can, ``original`` otherwise (any
     argument other than ``q, k, cos, sin, unsqueeze_dim`` passed with a non-default value, shapes or dtypes
-    the op does not take, ``cos`` / ``sin`` requiring grad)."""
+    the op does not take, ``cos`` / ``sin`` requiring grad). With ``check_pairs`` (a function the vision part
+    calls too, with cos / sin not from the adapter), eager calls check that cos / sin are laid out as
+    ``rot`` says first."""
     names, defaults, ud_default = sig.names, sig.defaults, sig.unsqueeze_default
 
     def patched(q, k, cos, sin, *args, **kwargs):
@@ -69,13 +75,14 @@ def _make_patched(original: Callable, rot: _Rotation, sig: _Signature) -> Callab
                     ud = value
                 elif name not in defaults or value is not defaults[name]:
                     return original(q, k, cos, sin, *args, **kwargs)
-        out = _rotate(q, k, cos, sin, ud, rot, check_pairs=False)
+        out = _rotate(q, k, cos, sin, ud, rot, check_pairs=check_pairs)
         return original(q, k, cos, sin, *args, **kwargs) if out is None else out
 
     functools.update_wrapper(patched, original)
     patched._rope_ext = True  # type: ignore[attr-defined]
     patched._rope_ext_original = original  # type: ignore[attr-defined]
     patched._rope_ext_rotation = rot  # type: ignore[attr-defined]
+    patched._rope_ext_check_pairs = check_pairs  # type: ignore[attr-defined]
     return patched
 
 
@@ -162,6 +169,7 @@ class _Plan(NamedTuple):
     adapters: list[tuple[nn.Module, str, HFRotaryAdapter]]  # (parent, attribute, adapter)
     functions: dict[tuple[str, str], tuple[Callable, _Rotation]]  # -> (original, rotation)
     owners: dict[int, list[tuple[str, str]]]  # id(adapter) -> the functions its scope calls
+    vision: _VisionPlan  # the rotation functions of the modules outside the text scopes
 
 
 def _plan(model: nn.Module, max_positions: int | None) -> _Plan:
@@ -170,13 +178,13 @@ def _plan(model: nn.Module, max_positions: int | None) -> _Plan:
 
     config = getattr(model, "config", None)
     found = _rotary_modules(model)
-    if not found:
-        raise _CheckFailed(f"no *RotaryEmbedding module named rotary_emb found in {type(model).__name__}")
     adapters, owners = [], {}
     functions: dict[tuple[str, str], tuple[Callable, _Rotation]] = {}
     layouts: dict[tuple[str, str], str] = {}
+    taken: set[tuple[str, str]] = set()  # the functions of adapters already in place (a model patched twice)
     for parent, name, child in found:
         if isinstance(child, HFRotaryAdapter):
+            taken.update(getattr(child, "_rope_ext_functions", None) or ())
             continue
         cfg = child.config if hasattr(child, "config") else config
         n = max_positions if max_positions is not None else int(getattr(cfg, "max_position_embeddings", 2048))
@@ -204,7 +212,14 @@ def _plan(model: nn.Module, max_positions: int | None) -> _Plan:
                 functions[key] = (original, rot)
         owners[id(adapter)] = list(calls)
         adapters.append((parent, name, adapter))
-    return _Plan(adapters, functions, owners)
+    vision = _vision_plan(model, [parent for parent, _, _ in found], set(functions) | taken)
+    if not found and not vision.functions:
+        why = "".join(f"; {label}: {reason}" for label, reason in vision.skipped.items())
+        raise _CheckFailed(
+            f"no *RotaryEmbedding module named rotary_emb found in {type(model).__name__}, nor a vision "
+            f"rotation function rope_ext computes{why}"
+        )
+    return _Plan(adapters, functions, owners, vision)
 
 
 def patch_transformers(
@@ -215,7 +230,7 @@ def patch_transformers(
     Tested model types: :data:`SUPPORTED_MODEL_TYPES`; :func:`supported_model_types` says which of them the
     installed transformers passes. Any other model is patched too when every check below passes.
 
-    Two things change. (1) Each ``*RotaryEmbedding`` module named ``rotary_emb`` is replaced by an
+    Three things change. (1) Each ``*RotaryEmbedding`` module named ``rotary_emb`` is replaced by an
     :class:`HFRotaryAdapter`: cos / sin come from :class:`~rope_ext.RopeCache` objects built by
     ``from_hf_config`` (float64 angles; one per layer type where the config nests its rope parameters per
     layer type, as Gemma 3 and ModernBERT do; MRoPE sections for Qwen2-VL, Qwen2.5-VL and Qwen3-VL) with
@@ -225,8 +240,16 @@ def patch_transformers(
     modules under the rotary embedding's parent is replaced by one computing the same rotation with
     rope_ext's op (one call for q and k, float32 arithmetic, differentiable), falling back to the original
     for arguments the op does not take. (2) is per model class, not per instance: other models of the same
-    family in the process also use the op, with transformers' semantics. The patched model runs under
-    ``torch.compile(fullgraph=True)``. :func:`unpatch_transformers` undoes both.
+    family in the process also use the op, with transformers' semantics. (3) The vision part (every module
+    outside the rotary embeddings' parents: the vision tower of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V,
+    Pixtral, Llama 4, ...; see :mod:`rope_ext.compat.hf.vision`) keeps its own per-token cos / sin (or
+    complex frequencies); each rotation function it calls (``apply_rotary_pos_emb_vision``,
+    ``vision_apply_rotary_emb``, ...) is swapped, per modeling module, for the diffusers patcher's stand-in:
+    rope_ext's op on those frequencies as a per-token table, for the call forms the probes showed it
+    computes, the original otherwise. A vision function the probes reject is left alone (see
+    :func:`~rope_ext.compat.hf.vision_report`), not refused; a model with no ``rotary_emb`` (a vision tower
+    on its own) is patched when it has a vision function to swap. The patched model runs under
+    ``torch.compile(fullgraph=True)``. :func:`unpatch_transformers` undoes all three.
 
     With ``fuse_qk_norm`` (the default), attention layers of the model types in
     :data:`FUSED_QK_NORM_MODEL_TYPES` (Qwen3, Qwen3-MoE) whose ``q_norm`` / ``k_norm`` are per-head RMSNorms
@@ -264,15 +287,40 @@ def patch_transformers(
         module = sys.modules[module_name]
         _ORIGINALS.setdefault((module_name, fn_name), original)
         _USERS.setdefault((module_name, fn_name), set()).add(id(model))
-        setattr(module, fn_name, _make_patched(original, rot, _signature(original)))
+        # checking cos / sin, once a vision part calls it too, until the function is restored
+        check = (module_name, fn_name) in plan.vision.shared or getattr(
+            getattr(module, fn_name), "_rope_ext_check_pairs", False
+        )
+        setattr(module, fn_name, _make_patched(original, rot, _signature(original), check_pairs=check))
+    for (module_name, fn_name), (original, spec) in plan.vision.functions.items():
+        _ORIGINALS.setdefault((module_name, fn_name), original)
+        _USERS.setdefault((module_name, fn_name), set()).add(id(model))
+        setattr(sys.modules[module_name], fn_name, _make_stand_in(original, spec))
+    if plan.vision.functions or plan.vision.skipped:
+        model.__dict__[_VISION_ATTR] = list(plan.vision.functions)
+        model.__dict__[_VISION_SKIPPED_ATTR] = dict(plan.vision.skipped)
     if fuse_qk_norm:
         for attention in _fusable_attentions(model):
             _defer_norms(attention)
     return model
 
 
+def _release(key: tuple[str, str], user: int) -> None:
+    """``user`` (a patched model's id) no longer calls the stand-in of ``key``: the original returns when no
+    other patched model does."""
+    users = _USERS.get(key, set())
+    users.discard(user)
+    if users:  # another patched model still calls the stand-in
+        return
+    _USERS.pop(key, None)
+    original = _ORIGINALS.pop(key, None)
+    if original is not None:
+        setattr(sys.modules[key[0]], key[1], original)
+
+
 def unpatch_transformers(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_transformers`: the original rotary modules and modeling-module functions return."""
+    """Undo :func:`patch_transformers`: the original rotary modules and modeling-module functions return
+    (vision functions too, for ``model`` and any of its submodules patched on their own)."""
     for m in list(model.modules()):
         if hasattr(m, "_rope_ext_norms"):
             _restore_norms(m)
@@ -284,14 +332,11 @@ def unpatch_transformers(model: nn.Module) -> nn.Module:
                 if keys is None:  # an adapter made by hand: the rotary module's own modeling module
                     keys = [(type(child._original).__module__, "apply_rotary_pos_emb")]
                 for key in keys:
-                    users = _USERS.get(key, set())
-                    users.discard(id(model))
-                    if users:  # another patched model still calls the stand-in
-                        continue
-                    _USERS.pop(key, None)
-                    original = _ORIGINALS.pop(key, None)
-                    if original is not None:
-                        setattr(sys.modules[key[0]], key[1], original)
+                    _release(key, id(model))
+    for m in list(model.modules()):
+        m.__dict__.pop(_VISION_SKIPPED_ATTR, None)
+        for key in m.__dict__.pop(_VISION_ATTR, ()):
+            _release(key, id(m))
     return model
 
 
