@@ -115,6 +115,11 @@ void fill_heads(rope::RotTensor& t, const Dims& dims) {
     t.out_head_stride[i] = dims[i].stride[1];
     t.n_heads *= dims[i].size;
   }
+  // The kernels split a head index over several dims in 32-bit arithmetic (rope.h, head_offsets).
+  ROPE_CHECK(ValueError, t.n_head_dims <= 1 || t.n_heads <= INT32_MAX,
+             "the batch dims around the positions' dims (the heads each position applies to) must "
+             "hold at most 2^31 - 1 heads when they cannot be merged into one dim, got ",
+             t.n_heads);
 }
 
 }  // namespace

@@ -109,7 +109,7 @@ inline void rotary_qk_plain(const Backend& b, const Tensor& q, const std::option
 inline void rotary_qk_cache_scaled(const Backend& b, const Tensor& q, const Tensor& k,
                                    const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
                                    const Tensor& key_cache, const Tensor& value_cache,
-                                   const Tensor& slot_mapping, const Tensor& k_scale,
+                                   const std::optional<Tensor>& slot_mapping, const Tensor& k_scale,
                                    const Tensor& v_scale) {
   rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
                    v_scale, std::nullopt, std::nullopt, false, "NHD", 0, std::nullopt, false, false,
@@ -118,7 +118,7 @@ inline void rotary_qk_cache_scaled(const Backend& b, const Tensor& q, const Tens
 inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
                                   const Tensor& key_cache, const Tensor& value_cache,
-                                  const Tensor& slot_mapping) {
+                                  const std::optional<Tensor>& slot_mapping) {
   rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0,
                    std::nullopt, false, false, std::nullopt);

@@ -105,10 +105,10 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   m.def("rotary_qk_.plain(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin) -> ()");
   m.def(
       "rotary_qk_cache_.plain(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
-      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping) -> ()");
   m.def(
       "rotary_qk_cache_.scaled(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
-      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
       "Tensor k_scale, Tensor v_scale) -> ()");
   m.def(
       "qk_norm_rotary_packed_.plain(Tensor(a!) qkv, int num_heads_q, int num_heads_k, "

@@ -56,11 +56,16 @@ void check_no_self_overlap(const Layout& t, const char* name) {
 
 namespace {
 
-// The rotation's tokens must be the T rows of q, one position each.
+// The rotation's tokens must be the T rows of q, one position each. The kernels then take one
+// token dim and one head dim (token_offsets_1d, head_offsets_1d), which [T, H, D] tensors have.
 void check_tokens(const rope::RopeParams& p, int64_t T) {
   ROPE_CHECK(ValueError, p.n_tok_dims <= 1 && (p.n_tokens == T || T <= 1),
              "positions must hold one position per token of q (", T,
              " tokens) with a nonzero stride: [T] (or [n_axes, T] with mrope_section)");
+  ROPE_CHECK(std::logic_error,
+             p.n_tokens == 0 || p.t[0].n_heads + p.t[1].n_heads == 0 ||
+                 (p.t[0].n_head_dims <= 1 && p.t[1].n_head_dims <= 1),
+             "q and k of [T, H, D] with heads over several dims");
 }
 
 }  // namespace
@@ -421,6 +426,10 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
   np.rope = make_params(q, q_out, &k, &k_out, positions, cos_sin, interleaved, false, rotary_offset,
                         mrope_section, mrope_interleaved, "q", true);
   check_tokens(np.rope, T);
+  // The kernels carry a (token, head) item's head in 32 bits (cuda/serving.cuh, ItemCursor).
+  ROPE_CHECK(ValueError, q.size(1) + k.size(1) <= INT32_MAX,
+             "q and k must have at most 2^31 - 1 heads together, got ", q.size(1), " + ",
+             k.size(1));
   int i = 0;
   for (const auto& [w, name] : {std::pair{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
     ROPE_CHECK(TypeError, w->defined(), name, " must be a tensor, got None");

@@ -223,19 +223,33 @@ ROPE_HD TokenOffsets token_offsets(const RopeParams& p, int64_t token) {
   return o;
 }
 
+// The offsets of a token with at most one token dim (the serving ops' [T, H,
+// D]; token 0 when there is none): no division.
+ROPE_HD TokenOffsets token_offsets_1d(const RopeParams& p, int64_t token) {
+  return {token * p.pos_stride[0],
+          {token * p.t[0].in_tok_stride[0], token * p.t[1].in_tok_stride[0]},
+          {token * p.t[0].out_tok_stride[0], token * p.t[1].out_tok_stride[0]}};
+}
+
+// The offsets of a head with at most one head dim (head 0 when there is none).
+ROPE_HD void head_offsets_1d(const RotTensor& t, int64_t head, int64_t& in, int64_t& out) {
+  in = head * t.in_head_stride[0];
+  out = head * t.out_head_stride[0];
+}
+
+// Inside the per-head loops: several head dims hold fewer than 2^31 heads
+// (make_params), so their index splits in 32-bit arithmetic, without a 64-bit
+// division subroutine.
 ROPE_HD void head_offsets(const RotTensor& t, int64_t head, int64_t& in, int64_t& out) {
-  if (t.n_head_dims == 1) {  // one head dim: no division in the per-head loops
-    in = head * t.in_head_stride[0];
-    out = head * t.out_head_stride[0];
-    return;
-  }
+  if (t.n_head_dims <= 1) return head_offsets_1d(t, head, in, out);
   in = 0;
   out = 0;
+  uint32_t rest = uint32_t(head);
   for (int d = t.n_head_dims - 1; d >= 0; --d) {
-    const int64_t i = head % t.head_size[d];
-    head /= t.head_size[d];
-    in += i * t.in_head_stride[d];
-    out += i * t.out_head_stride[d];
+    const uint32_t size = uint32_t(t.head_size[d]), i = rest % size;
+    rest /= size;
+    in += int64_t(i) * t.in_head_stride[d];
+    out += int64_t(i) * t.out_head_stride[d];
   }
 }
 

@@ -15,15 +15,17 @@ __global__ void __launch_bounds__(kWarp* kNormWarps, 6)
   __shared__ A partial[kNormWarps][kWarp];
   const int lane = int(threadIdx.x), warp = int(threadIdx.y);
   const int group = int(l.group), g = lane / group;
-  // Warp-uniform loop: the warp's groups work on items w * (kWarp / group) + g.
-  for (int64_t w = int64_t(blockIdx.x) * kNormWarps + warp; w < l.n_warp_items;
-       w += int64_t(gridDim.x) * kNormWarps) {
-    const int64_t item = w * (kWarp / group) + g;
-    const bool on = item < l.n_items;
-    partial[warp][lane] = on ? norm_phase1<T, CS, Pos, IL, Vec>(p, l, item, lane % group) : A(0);
+  // Warp-uniform loop: the warp's groups work on items w * (kWarp / group) + g; the cursor carries
+  // each item's (token, head) to the next without a division.
+  const int64_t w0 = int64_t(blockIdx.x) * kNormWarps + warp, dw = int64_t(gridDim.x) * kNormWarps;
+  const int64_t per_warp = kWarp / group;
+  NormAt at = norm_at(l, w0 * per_warp + g);
+  for (int64_t w = w0; w < l.n_warp_items; w += dw, next_item(l, at)) {  // per head
+    const bool on = w * per_warp + g < l.n_items;
+    partial[warp][lane] = on ? norm_phase1<T, CS, Pos, IL, Vec>(p, l, at, lane % group) : A(0);
     __syncwarp();
     const A total = group_total(&partial[warp][g * group], group);
-    if (on) norm_phase2<T, CS, Pos, IL, Vec>(p, l, item, lane % group, total);
+    if (on) norm_phase2<T, CS, Pos, IL, Vec>(p, l, at, lane % group, total);
     __syncwarp();
   }
 }

@@ -67,7 +67,8 @@ ROPE_HD void rerotate_fp8_thread(const RerotateParams& rp, const Launch& l, cons
       row_cos_sin<CS, false>(p, row, j, inverse, cv, sv);
       int i1, i2;
       pair_index(Interleaved, int(j), p.rotary_dim, i1, i2);
-      for (int64_t head = c.ty + c.by * c.bdy; head < p.t[0].n_heads; head += c.bdy * c.gdy) {
+      for (int64_t head = c.ty + c.by * c.bdy; head < p.t[0].n_heads;
+           head += c.bdy * c.gdy) {  // per head
         uint8_t* x = static_cast<uint8_t*>(rp.cache.data) + base + head * rp.cache.head_stride;
         note_read(x + i1, 1);
         note_read(x + i2, 1);
@@ -100,7 +101,8 @@ ROPE_HD void rerotate_thread(const RerotateParams& rp, const Launch& l, const Co
       const int64_t j0 = lane * P;
       A cv[P], sv[P];
       row_cos_sin<CS, Vectorized>(p, row, j0, inverse, cv, sv);
-      for (int64_t head = c.ty + c.by * c.bdy; head < p.t[0].n_heads; head += c.bdy * c.gdy) {
+      for (int64_t head = c.ty + c.by * c.bdy; head < p.t[0].n_heads;
+           head += c.bdy * c.gdy) {  // per head
         T* x = static_cast<T*>(p.t[0].out) + base + head * rp.cache.head_stride;
         if (Interleaved) {
           constexpr bool VecPairs = Vectorized && (2 * P == vec_width<T, Vectorized>());

@@ -430,7 +430,7 @@ ROPE_HD void rotary_thread(const RopeParams& p, const Launch& l, const Coord& c)
       const int64_t j0 = lane * P;  // first pair of this unit
       A cv[P] = {}, sv[P] = {};
       if (rot) unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
-      for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {
+      for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {  // per head
         const int ti = head < q_heads ? 0 : 1;
         int64_t hin, hout;
         head_offsets(p.t[ti], ti ? head - q_heads : head, hin, hout);

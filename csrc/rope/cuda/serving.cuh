@@ -152,7 +152,7 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
   const float v_scale = fp8_cache ? scale_or_one(cp.value_cache.scale) : 1.0f;
 
   for (int64_t token = c.bx; token < p.n_tokens; token += c.gdx) {
-    const TokenOffsets o = token_offsets(p, token);
+    const TokenOffsets o = token_offsets_1d(p, token);  // [T, H, D]: one token dim, one head dim
     const int64_t slot = slot_of(cp, token);
     // The token's cache rows (slot_offset), outside the loops over heads.
     const int64_t k_row = slot >= 0 ? slot_offset(cp.key_cache, cp.block_size, slot) : 0;
@@ -160,7 +160,7 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
     for (int64_t lane = c.tx; lane < n_lanes; lane += c.bdx) {
       const bool rot = lane < l.n_rot_units;
       const int64_t j0 = lane * P;  // first pair of this unit
-      for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {
+      for (int64_t head = c.ty + c.by * c.bdy; head < heads; head += c.bdy * c.gdy) {  // per head
         if (head >= hq + hk) {
           // v: copied to the value cache.
           if (slot < 0 || lane >= cl.n_v_units) continue;
@@ -176,7 +176,7 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
         const int ti = head < hq ? 0 : 1;
         const int64_t hh = ti ? head - hq : head;
         int64_t hin, hout;
-        head_offsets(p.t[ti], hh, hin, hout);
+        head_offsets_1d(p.t[ti], hh, hin, hout);
         const T* in = static_cast<const T*>(p.t[ti].in) + (ti ? o.in[1] : o.in[0]) + hin;
         T* out = static_cast<T*>(p.t[ti].out) + (ti ? o.out[1] : o.out[0]) + hout;
         const bool to_q8 = ti == 0 && q8;
@@ -250,6 +250,10 @@ struct NormLaunch {
   int64_t n_warp_items;  // warp iterations: n_items / (kWarp / group), rounded up
   int64_t n_rot_units, n_pass_units;
   int64_t group;  // lanes per item: the power of two >= units per head, at most kWarp
+  // A thread's next item is grid_x * kNormWarps * (kWarp / group) further: step_tokens tokens and
+  // step_heads heads (of per_token = q heads + k heads, below 2^31) on.
+  int64_t step_tokens;
+  int32_t per_token, step_heads;
   bool vectorized;
 };
 
@@ -271,6 +275,11 @@ inline NormLaunch plan_norm_launch(const NormParams& np, int64_t num_sms,
   const int64_t blocks = (l.n_warp_items + kNormWarps - 1) / kNormWarps;
   const int64_t resident = 16 * (num_sms < 1 ? 1 : num_sms);
   l.grid_x = blocks < resident ? blocks : resident;
+  const int64_t per_token = p.t[0].n_heads + p.t[1].n_heads,
+                step = l.grid_x * kNormWarps * per_warp;
+  l.per_token = int32_t(per_token);
+  l.step_tokens = per_token > 0 ? step / per_token : 0;
+  l.step_heads = per_token > 0 ? int32_t(step % per_token) : 0;
   return l;
 }
 
@@ -283,15 +292,32 @@ struct NormItem {
   T* out;
 };
 
+// A norm item: head `head` (q's heads, then k's) of token `token`, item
+// token * l.per_token + head. A thread's loop over items carries (token,
+// head) from one item to the next without a division (next_item).
+struct NormAt {
+  int64_t token;
+  int32_t head;
+};
+
+ROPE_HD NormAt norm_at(const NormLaunch& l, int64_t item) {
+  return {item / l.per_token, int32_t(item % l.per_token)};
+}
+
+ROPE_HD void next_item(const NormLaunch& l, NormAt& at) {
+  at.token += l.step_tokens;
+  at.head += l.step_heads;
+  if (at.head >= l.per_token) at.head -= l.per_token, ++at.token;
+}
+
 template <class T>
-ROPE_HD NormItem<T> norm_item(const NormParams& np, int64_t item) {
+ROPE_HD NormItem<T> norm_item(const NormParams& np, NormAt at) {
   const RopeParams& p = np.rope;
-  const int64_t per_token = p.t[0].n_heads + p.t[1].n_heads;
-  const int64_t token = item / per_token, head = item % per_token;
+  const int64_t head = at.head;
   const int ti = head < p.t[0].n_heads ? 0 : 1;
-  const TokenOffsets o = token_offsets(p, token);
+  const TokenOffsets o = token_offsets_1d(p, at.token);  // [T, H, D]
   int64_t hin, hout;
-  head_offsets(p.t[ti], ti ? head - p.t[0].n_heads : head, hin, hout);
+  head_offsets_1d(p.t[ti], ti ? head - p.t[0].n_heads : head, hin, hout);
   return {ti, o.pos, static_cast<const T*>(p.t[ti].in) + (ti ? o.in[1] : o.in[0]) + hin,
           static_cast<T*>(p.t[ti].out) + (ti ? o.out[1] : o.out[0]) + hout};
 }
@@ -318,7 +344,7 @@ ROPE_HD void load_pairs(const T* rot, int64_t h, int64_t j0, T (&x)[N]) {
 // Phase 1 of lane `gl` of the group on `item`: the sum of the squares of the lane's units (units
 // gl, gl + group, ..: rotary ones, then pass-through ones).
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
-ROPE_HD typename Acc<T>::type norm_phase1(const NormParams& np, const NormLaunch& l, int64_t item,
+ROPE_HD typename Acc<T>::type norm_phase1(const NormParams& np, const NormLaunch& l, NormAt item,
                                           int gl) {
   using A = typename Acc<T>::type;
   const RopeParams& p = np.rope;
@@ -363,7 +389,7 @@ ROPE_HD A normed(const NormParams& np, int ti, A x, A rms, int64_t f) {
 // again (the lane's own bytes, just read: from L1), normalises, scales, rounds, rotates and stores
 // them.
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
-ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, int64_t item, int gl,
+ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, NormAt item, int gl,
                          typename Acc<T>::type total) {
   using A = typename Acc<T>::type;
   const RopeParams& p = np.rope;
