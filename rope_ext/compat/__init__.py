@@ -7,7 +7,9 @@ One submodule per source, every public name re-exported here (``from rope_ext.co
   :func:`patch_transformers` / :func:`unpatch_transformers` route a loaded model's RoPE through rope_ext
   (via :class:`HFRotaryAdapter`) once probes show rope_ext computes what its modules and functions do;
   :data:`SUPPORTED_MODEL_TYPES` are the tested model types, :func:`supported_model_types` those the
-  installed transformers passes.
+  installed transformers passes. Vision towers (Qwen2-VL to Qwen3-VL, GLM-4V, Pixtral, Llama 4) are patched
+  too: :func:`vision_report` says what was swapped and skipped, :data:`TESTED_VISION_MODELS` the towers
+  tested.
 * :mod:`.diffusers` - :func:`patch_diffusers` / :func:`unpatch_diffusers` route a diffusers transformer's RoPE
   rotations (``apply_rotary_emb`` and the model-local rotation functions its attention processors call)
   through rope_ext's op on the model's own cos / sin, once probes show the op computes what each function
@@ -36,11 +38,13 @@ from .diffusers import TESTED_DIFFUSERS_MODELS, patch_diffusers, unpatch_diffuse
 from .flashinfer import mla_rope_quantize_fp8
 from .hf import (
     SUPPORTED_MODEL_TYPES,
+    TESTED_VISION_MODELS,
     HFRotaryAdapter,
     apply_rotary_pos_emb,
     patch_transformers,
     supported_model_types,
     unpatch_transformers,
+    vision_report,
 )
 from .labml import RotaryPositionalEmbeddings
 from .meta import apply_rotary_emb, precompute_freqs_cis
@@ -63,6 +67,8 @@ __all__ = [
     "HFRotaryAdapter",
     "SUPPORTED_MODEL_TYPES",
     "supported_model_types",
+    "TESTED_VISION_MODELS",
+    "vision_report",
     "rotary_embedding",
     "fused_qk_norm_rope",
     "concat_and_cache_mla_rope_fused",
