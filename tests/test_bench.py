@@ -305,11 +305,10 @@ def test_serving_modes_not_run_by_default():
 def test_cache_modes_validate_with_their_ceilings():
     result = bench.run_benchmark(serving_config(["cache", "cache-fp8"], pairings=["half", "interleaved"]))
     provs = _ok_providers(result)
-    # rope_ext and rope_ext unfused, 2 modes x 2 pairings x (prefill 8, decode 1).
-    assert {(r["provider"], r["mode"]) for r in provs} == {
-        (n, m) for n in ("rope_ext", "rope_ext unfused") for m in ("cache", "cache-fp8")
-    }
-    assert len(provs) == 2 * 2 * 2 * 2
+    # rope_ext, rope_ext page table and rope_ext unfused, 2 modes x 2 pairings x (prefill 8, decode 1).
+    names = ("rope_ext", "rope_ext page table", "rope_ext unfused")
+    assert {(r["provider"], r["mode"]) for r in provs} == {(n, m) for n in names for m in ("cache", "cache-fp8")}
+    assert len(provs) == 3 * 2 * 2 * 2
     assert {r["phase"] for r in provs} == {"prefill", "decode"}
     for r in provs:
         assert r["ceiling"] == f"stream {r['mode']}" and r["frac_ceiling"] > 0
