@@ -307,7 +307,9 @@ def test_cache_modes_validate_with_their_ceilings():
     provs = _ok_providers(result)
     # rope_ext, rope_ext page table and rope_ext unfused, 2 modes x 2 pairings x (prefill 8, decode 1).
     names = ("rope_ext", "rope_ext page table", "rope_ext unfused")
-    assert {(r["provider"], r["mode"]) for r in provs} == {(n, m) for n in names for m in ("cache", "cache-fp8")}
+    assert {(r["provider"], r["mode"]) for r in provs} == {
+        (n, m) for n in names for m in ("cache", "cache-fp8")
+    }
     assert len(provs) == 3 * 2 * 2 * 2
     assert {r["phase"] for r in provs} == {"prefill", "decode"}
     for r in provs:
