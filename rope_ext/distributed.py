@@ -175,9 +175,9 @@ def register_sharding_rules() -> bool:
         slot_mapping of a cache write given a page_table). A tensor list (``Tensor[]``: page_table) gets
         its placement once per tensor: DTensor flattens the list, so its tensors are inputs of their own."""
 
-        def placements(args: tuple, ins: dict[str, Any]) -> list[Any]:
+        def placements(names: tuple[str, ...], args: tuple, ins: dict[str, Any]) -> list[Any]:
             out: list[Any] = []
-            for name, value in zip(spec.names, args, strict=False):
+            for name, value in zip(names, args, strict=False):
                 placement = None if value is None else ins.get(name)
                 if isinstance(value, (list, tuple)):
                     out.extend([placement] * len(value))
@@ -186,10 +186,17 @@ def register_sharding_rules() -> bool:
             return out
 
         def register(fn: Callable[[Any], Any]) -> None:
-            def sharding(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
-                return [(outs, placements(args, ins)) for outs, ins in fn(spec.bind(args, kwargs))]
+            def sharding_of(overload: Any) -> Callable[..., list[tuple[list[Any], list[Any]]]]:
+                names = spec.names_of(overload)
 
-            register_sharding(list(spec.overloads))(sharding)
+                def sharding(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
+                    a = spec.bind(args, kwargs, overload)
+                    return [(outs, placements(names, args, ins)) for outs, ins in fn(a)]
+
+                return sharding
+
+            for overload in spec.overloads:
+                register_sharding(overload)(sharding_of(overload))
 
         return register
 

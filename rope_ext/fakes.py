@@ -36,11 +36,14 @@ def fake_kernel(spec: OpSpec) -> Callable[[Callable[[Any], Any]], Callable[[Any]
     kernel of every overload of ``spec``."""
 
     def register(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def fake(*args, **kwargs):
-            return fn(spec.bind(args, kwargs))
+        def fake_of(overload):
+            def fake(*args, **kwargs):
+                return fn(spec.bind(args, kwargs, overload))
+
+            return fake
 
         for overload in spec.overloads:
-            torch.library.register_fake(overload, fake)
+            torch.library.register_fake(overload, fake_of(overload))
         return fn
 
     return register

@@ -121,7 +121,10 @@ class OpSpec:
         # The options: Tensor options (default None) first, then the value options. A short overload takes
         # the inputs and its first n Tensor options, which it requires (n = 0: the bare overload, .plain;
         # n = 2: .scaled): it takes an eager call whose value options are all at their defaults, whose
-        # first n Tensor options are given and whose other Tensor options are None.
+        # first n Tensor options are given and whose other Tensor options are None. A short overload may
+        # instead take the inputs and the last value options, which it requires (.paged: page_table): it
+        # takes an eager call whose Tensor options are None and whose other value options are at their
+        # defaults.
         self.n_inputs = n_inputs
         n_tensor = sum(_is_optional_tensor(a.type) for a in options)
         assert not any(_is_optional_tensor(a.type) for a in options[n_tensor:]), f"{name}: Tensor ones first"
@@ -131,9 +134,17 @@ class OpSpec:
         self._value_defaults = self._defaults[n_tensor:]
         self._bare = None
         self._with_tensors = []  # (overload, n, the Tensor options it takes, those it drops)
+        self._with_last = []  # (overload, where its value options start among the options)
+        # Each overload's argument names (bind: a call's positional arguments by the overload's names).
+        self._names_of = {o: tuple(a.name for a in o._schema.arguments) for o in self.overloads}
         for overload in self.overloads[1:]:
-            n = len(overload._schema.arguments) - n_inputs
-            assert self.names[: n_inputs + n] == tuple(a.name for a in overload._schema.arguments), overload
+            names = self._names_of[overload]
+            n = len(names) - n_inputs
+            assert self.names[:n_inputs] == names[:n_inputs], overload
+            if self.names[: n_inputs + n] != names:
+                assert n > 0 and self.names[len(self.names) - n :] == names[n_inputs:], overload
+                self._with_last.append((overload, len(self._defaults) - n))
+                continue
             assert 0 <= n <= n_tensor, f"{overload}: the inputs and Tensor options only"
             if n == 0:
                 self._bare = overload
@@ -143,9 +154,16 @@ class OpSpec:
     def __repr__(self) -> str:
         return f"OpSpec({self.name!r})"
 
-    def bind(self, args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
-        """The arguments of a call of any overload, by name (``Args``); options it omits at their defaults."""
-        return self.Args(*args, **(kwargs or {}))
+    def bind(self, args: tuple, kwargs: dict[str, Any] | None = None, overload: Any = None) -> Any:
+        """The arguments of a call of ``overload`` (the default, or one whose arguments are the default's
+        first ones, when None), by name (``Args``); options it omits at their defaults."""
+        if overload is None:
+            return self.Args(*args, **(kwargs or {}))
+        return self.Args(**dict(zip(self._names_of[overload], args, strict=False)), **(kwargs or {}))
+
+    def names_of(self, overload: Any) -> tuple[str, ...]:
+        """The argument names of ``overload``, in its schema's order."""
+        return self._names_of[overload]
 
     def check(self, inputs: tuple, options: tuple) -> Any:
         """The Python checks of a call (they write nothing): every Tensor argument is a tensor (or None where
@@ -172,6 +190,10 @@ class OpSpec:
             else:
                 if options == self._defaults:
                     return self._bare(*inputs)
+                for op, start in self._with_last:
+                    # its options given, the value options before them at their defaults
+                    if None not in options[start:] and options[:start] == self._defaults[:start]:
+                        return op(*(inputs + options[start:]))
                 return self.op(*(inputs + options))
         if options[self._values] == self._value_defaults:
             for op, n, given, absent in self._with_tensors:

@@ -87,6 +87,17 @@ def test_eager_calls_take_the_shortest_overload_that_holds_their_options():
     assert cache() == ["plain"]
     assert cache(kc8, vc8, k_scale=one, v_scale=one) == ["scaled"]
     assert cache(kc8, vc8, k_scale=one) == cache(layout="NHD", interleaved=True) == ["default"]
+    i32 = torch.int32
+    table = rope_ext.PageTable(
+        torch.zeros(T, dtype=i32), pos.to(i32), torch.tensor([0], dtype=i32), torch.tensor([0, 1], dtype=i32)
+    )
+
+    def paged(**kw):
+        kw["page_table"] = table
+        return _ran(lambda: rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, **kw))
+
+    assert paged() == paged(layout="NHD", inverse=False) == ["paged"]
+    assert paged(interleaved=True) == paged(k_scale=one, v_scale=one) == ["default"]
     assert norm() == norm(weight_offset=0, eps=1e-6) == ["plain"]
     assert norm(eps=1e-5) == norm(weight_offset=1) == ["default"]
     # The checked path chooses alike (here: position checks on, which only CUDA calls act on).

@@ -123,6 +123,15 @@ inline void rotary_qk_cache_plain(const Backend& b, const Tensor& q, const Tenso
                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0,
                    std::nullopt, false, false, std::nullopt);
 }
+inline void rotary_qk_cache_paged(const Backend& b, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
+                                  const Tensor& key_cache, const Tensor& value_cache,
+                                  const std::optional<Tensor>& slot_mapping,
+                                  const std::vector<Tensor>& page_table) {
+  rotary_qk_cache_(b, q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
+                   std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, "NHD", 0,
+                   std::nullopt, false, false, page_table);
+}
 inline void qk_norm_rotary_packed_plain(const Backend& b, const Tensor& qkv, int64_t num_heads_q,
                                         int64_t num_heads_k, int64_t num_heads_v,
                                         const Tensor& q_weight, const Tensor& k_weight,
@@ -161,6 +170,7 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   impl<&rotary_qk_plain, B>(m, "rotary_qk_.plain");
   impl<&rotary_qk_cache_plain, B>(m, "rotary_qk_cache_.plain");
   impl<&rotary_qk_cache_scaled, B>(m, "rotary_qk_cache_.scaled");
+  impl<&rotary_qk_cache_paged, B>(m, "rotary_qk_cache_.paged");
   impl<&qk_norm_rotary_packed_plain, B>(m, "qk_norm_rotary_packed_.plain");
 }
 

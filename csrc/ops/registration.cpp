@@ -101,7 +101,8 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   // argument at its default: the eager calls that pass no option (a decode
   // step) take these, since a boxed call costs time per schema argument,
   // passed or defaulted (benchmarks/cpu-serving.md). rotary_qk_cache_.scaled adds k_scale and
-  // v_scale: fp8 caches, and callers that always pass scales (vLLM's).
+  // v_scale: fp8 caches, and callers that always pass scales (vLLM's); rotary_qk_cache_.paged adds
+  // page_table (FlashInfer's callers).
   m.def("rotary_qk_.plain(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin) -> ()");
   m.def(
       "rotary_qk_cache_.plain(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
@@ -110,6 +111,10 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "rotary_qk_cache_.scaled(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
       "Tensor k_scale, Tensor v_scale) -> ()");
+  m.def(
+      "rotary_qk_cache_.paged(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
+      "Tensor[] page_table) -> ()");
   m.def(
       "qk_norm_rotary_packed_.plain(Tensor(a!) qkv, int num_heads_q, int num_heads_k, "
       "int num_heads_v, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin) -> ()");

@@ -141,7 +141,7 @@ def _rewrite(graph: torch.fx.Graph) -> bool:
             fake_mode = torch._guards.detect_fake_mode(
                 [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
             )
-        a = spec.bind(node.args, node.kwargs)
+        a = spec.bind(node.args, node.kwargs, target)
         with graph.inserting_before(node):
             new = graph.call_function(twin, tuple(a))
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
