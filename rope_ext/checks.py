@@ -225,9 +225,10 @@ def page_table(value) -> tuple[Tensor, ...] | None:
     return tensors
 
 
-def _slots_given(a, cache_slots: int | None) -> None:
+def _slots_given(a, cache_slots: tuple[int, int] | None) -> None:
     """A cache op places its tokens by slot_mapping or by page_table, one of them; with position checks on
-    (the caller tests it), eager CUDA calls check either on the host as the CPU op does."""
+    (the caller tests it), eager CUDA calls check either on the host as the CPU op does. ``cache_slots``:
+    the cache's (num_blocks, block_size), None when its shape is wrong (the op reports it)."""
     if a.page_table is not None and a.slot_mapping is not None:
         raise ValueError("slot_mapping must be None when page_table is given (one of them places the tokens)")
     if a.page_table is None and a.slot_mapping is None:
