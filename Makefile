@@ -95,7 +95,7 @@ SAN_TESTS ?= tests/test_hostile_integers.py tests/test_fuzz_ops.py tests/test_cr
 	tests/test_error_classes.py tests/test_ops.py tests/test_property.py tests/test_serving_cache.py \
 	tests/test_serving_fp8.py tests/test_serving_norm.py tests/test_inplace_safety.py tests/test_serving_mla.py \
 	tests/test_serving_mla_checks.py tests/test_rerotate.py tests/test_rerotate_checks.py \
-	tests/test_page_table.py
+	tests/test_page_table.py tests/test_table_free.py
 # Tests whose code differs per CPU instruction set run again on each set below the best (capped by
 # ROPE_EXT_CPU_ISA), without the emulated CUDA bodies (no CPU kernel in them); tests/test_hostile_integers.py
 # and tests/test_fuzz_ops.py walk every set themselves; tests/test_cpu_isa.py's per-set matrix leaves

@@ -149,6 +149,21 @@ def _rotary_cases() -> None:
             rope_ext.apply_rotary_qk_(q, k, pos, cs, **kw)
             return [*out, q, k]
 
+    for kind in ("int64", "float64", "float32"):
+
+        @case(f"rotary-table-free-{kind}-positions")
+        def _(x: Inputs, kind=kind):
+            """The rows' launch (rope/cuda/angles.cuh), then the rotation reading them (and MRoPE axes)."""
+            freqs = rope_ext.RopeCache(64, max_positions=1).frequencies_on(x.device)
+            q, k = x.randn(6, 4, 64, dtype=torch.bfloat16), x.randn(6, 2, 64, dtype=torch.bfloat16)
+            pos = x.positions(6, 1).to(getattr(torch, kind))
+            if kind != "int64":
+                pos = pos / 3.0
+            out = list(rope_ext.apply_rotary_qk(q, k, pos, freqs))
+            axes = x.positions(3, 6, 1).to(pos.dtype)
+            rope_ext.apply_rotary_qk_(q, k, axes, freqs, mrope_section=(16, 8, 8), interleaved=True)
+            return [*out, q, k, torch.ops.rope_ext._angle_rows(pos[:, 0], freqs)]
+
     @case("varlen-positions-cp")
     def _(x: Inputs):
         cu = torch.tensor([0, 8, 8, 20, 32]).to(x.device)

@@ -1,7 +1,7 @@
 """rope_ext: rotary positional embeddings as compiled PyTorch ops (CPU and CUDA)."""
 
 from . import distributed, reference, scaling
-from .cache import RopeCache
+from .cache import RopeCache, frequencies
 from .checks import PageTable
 from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
@@ -27,6 +27,7 @@ __all__ = [
     "apply_qk_norm_rotary_",
     "set_position_checks",
     "varlen_positions",
+    "frequencies",
     "PageTable",
     "RopeCache",
     "RotaryEmbedding",

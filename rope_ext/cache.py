@@ -10,39 +10,39 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .checks import typed_errors
 from .scaling import LENGTH_DEPENDENT, inv_freq_and_attention_factor, normalize_scaling
 
-__all__ = ["RopeCache", "cos_sin_rows"]
+__all__ = ["RopeCache", "cos_sin_rows", "frequencies"]
 
 _CHUNK_ROWS = 1 << 13  # rows built per step (float64 temporaries stay small and cache-resident)
 
 
+def frequencies(inv_freq: Tensor, attention_factor: float = 1.0) -> Tensor:
+    """float64 ``[2 * len(inv_freq)]``: ``inv_freq`` then the factor of each pair's cos and sin.
+
+    The ops' ``cos_sin`` argument in the table-free mode (README, "Angles without a table"): pair ``j``
+    rotates by ``p * inv_freq[j]`` with cos and sin times ``attention_factor``, computed in the kernel.
+    """
+    inv = inv_freq.to(torch.float64)
+    return torch.cat([inv, torch.full_like(inv, float(attention_factor))])
+
+
+@typed_errors
 def cos_sin_rows(positions: Tensor, inv_freq: Tensor, attention_factor: float = 1.0) -> Tensor:
     """float64 ``[len(positions), 2 * len(inv_freq)]``: ``A cos(p inv_j)`` then ``A sin(p inv_j)``.
 
-    ``positions`` holds integers (any dtype, exact below 2**53), ``inv_freq`` is float64 on the same device.
-    The angle ``p * inv_j`` is formed without rounding error (Dekker split of ``inv_j``, exact below
-    ``p < 2**27``), rounded once to ``s`` with remainder ``e`` (``|e| <= ulp(s) / 2``), and
-    ``cos(s + e) = cos s (1 - e**2/2) - e sin s``, ``sin(s + e) = sin s (1 - e**2/2) + e cos s`` (the
-    dropped ``e**3 / 6`` is below 1e-27 for ``p < 2**24``). The result is within a few float64 ulps
-    (absolute ~3e-16) of the exact cos/sin of ``p`` times the float64 ``inv_j``, so rounding it to float32
-    is correctly rounded, or one ulp off when the exact value lies within ~1e-16 of a rounding boundary.
+    ``positions`` (1-d, int32/int64/float32/float64) and ``inv_freq`` (float64) on one device. The rows
+    come from the kernels' own function (csrc/rope/angles.h, the op ``rope_ext._angle_rows``), so a table
+    built from them and the table-free mode give the same bits. The angle is the exact product of ``p``
+    and the float64 ``inv_j``, reduced in double-double arithmetic: the result is within a few float64
+    ulps of the exact cos/sin, so rounding it to float32 is correctly rounded, or one ulp off when the
+    exact value lies within ~2^-50 (relative) of a rounding boundary. A position whose angle cannot be
+    formed (not finite, an int64 past 2^53, ``|p inv_j| >= 3.5e15``) raises ``ValueError`` on the CPU and
+    gives NaN on CUDA.
     """
-    p = positions.to(torch.float64)[:, None]
-    inv = inv_freq.to(torch.float64)[None, :]
-    c = inv * 134217729.0  # 2**27 + 1
-    hi = c - (c - inv)
-    lo = inv - hi
-    a1, a2 = p * hi, p * lo  # both exact for p < 2**27 (26-bit halves)
-    s = a1 + a2
-    e = a2 - (s - a1)  # exact rounding error of s (|a1| >= |a2|)
-    cos_s, sin_s = torch.cos(s), torch.sin(s)
-    c2 = 1.0 - 0.5 * e * e
-    cos = cos_s * c2 - e * sin_s
-    sin = sin_s * c2 + e * cos_s
-    if attention_factor != 1.0:
-        cos, sin = cos * attention_factor, sin * attention_factor
-    return torch.cat([cos, sin], dim=-1)
+    freqs = frequencies(inv_freq, attention_factor).to(positions.device)
+    return torch.ops.rope_ext._angle_rows(positions.reshape(-1), freqs)
 
 
 class _Table(NamedTuple):
@@ -136,6 +136,7 @@ class RopeCache:
         inv, attn = self._params(int(max_positions))
         self._table = _Table(self._rows(0, max_positions, inv, attn), inv, attn, int(max_positions), 0)
         self._copies: dict[torch.device, tuple[int, Tensor]] = {}
+        self._freqs: dict[torch.device, tuple[int, Tensor]] = {}
         # Position axes (from_hf_config's MRoPE, for_axes), for the ops' mrope_section / mrope_interleaved.
         self.mrope_section: tuple[int, ...] | None = None if self._axes is None else self._axes[2]
         self.mrope_interleaved = False
@@ -264,6 +265,19 @@ class RopeCache:
         """``[capacity, rotary_dim]`` of ``dtype`` on ``device``."""
         return self._table.cos_sin
 
+    def frequencies_on(self, device: torch.device | str | int | None = None) -> Tensor:
+        """The table-free form of this cache on ``device`` (default: the cache's device): float64
+        ``[rotary_dim]``, each pair's frequency then its factor (:func:`frequencies`). Pass it as the ops'
+        ``cos_sin``: the kernels compute the same rows as the table's (bit for bit) from the positions,
+        which may then be fractional and have no upper bound. One copy per device and table version."""
+        d = _as_device(device) if device is not None else self.device
+        t = self._table
+        hit = self._freqs.get(d)
+        if hit is None or hit[0] != t.version:
+            hit = (t.version, frequencies(t.inv_freq, t.attention_factor).to(d))
+            self._freqs[d] = hit
+        return hit[1]
+
     @property
     def _version(self) -> int:
         """Bumped whenever the table grows or is rebuilt."""
@@ -276,11 +290,11 @@ class RopeCache:
         if inv_freq is None or attention_factor is None:
             inv_freq, attention_factor = self._table.inv_freq, self._table.attention_factor
         out = torch.empty(stop - start, self.rotary_dim, device=self.device, dtype=self.dtype)
-        inv = inv_freq.to(self.device)
+        freqs = frequencies(inv_freq, attention_factor).to(self.device)
         for lo in range(start, stop, _CHUNK_ROWS):
             hi = min(stop, lo + _CHUNK_ROWS)
-            p = torch.arange(lo, hi, dtype=torch.float64, device=self.device)
-            out[lo - start : hi - start] = cos_sin_rows(p, inv, attention_factor)
+            p = torch.arange(lo, hi, dtype=torch.int64, device=self.device)
+            out[lo - start : hi - start] = torch.ops.rope_ext._angle_rows(p, freqs)
         return out
 
     # -- length / growth ---------------------------------------------------------------------------
@@ -356,6 +370,7 @@ class RopeCache:
         state = self.__dict__.copy()
         del state["_lock"]
         state["_copies"] = {}
+        state["_freqs"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -145,7 +145,13 @@ def _host_check(t: Tensor) -> bool:
 def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
     """Eager CUDA calls with position checks on (:func:`set_position_checks`; the callers test it) check
     positions on the host."""
-    if positions.numel() > 0 and _host_check(positions):
+    if positions.numel() > 0 and _host_check(positions) and cos_sin.dim() == 1:
+        # Frequencies: any position that gives an angle (as the CPU kernels check).
+        p = positions.double()
+        if not bool((p.abs() <= 2.0**53).all()):
+            bad = p[~(p.abs() <= 2.0**53)][0].item()
+            raise ValueError(f"positions must give finite angles with the frequencies, got {bad}")
+    elif positions.numel() > 0 and _host_check(positions):
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= cos_sin.shape[0]:
             bad = lo if lo < 0 else hi

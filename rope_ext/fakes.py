@@ -69,7 +69,15 @@ def _rotated(x: Tensor, positions: Tensor, a: Any, name: str, token_major: bool 
     for arg, t in (("positions", positions), ("cos_sin", cos_sin)):
         if t.device != x.device:
             raise ValueError(f"{arg} must be on the device of {name} ({x.device}), got {t.device}")
-    torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
+    torch._check(
+        cos_sin.dim() in (1, 2),
+        lambda: "cos_sin must have shape [positions, rotary_dim] (a table) or [rotary_dim] (frequencies)",
+    )
+    if positions.is_floating_point() and cos_sin.dim() != 1:
+        raise TypeError(
+            "positions must be an int32 or int64 tensor with a cos_sin table (float positions need "
+            f"frequencies, cos_sin [rotary_dim]), got {positions.dtype}"
+        )
     torch._check(cos_sin.shape[-1] <= x.shape[-1], lambda: "rotary_dim must be <= head_dim")
     positions_shape(positions.shape, x.shape[:-1], name, token_major)
     if not 0 <= a.rotary_offset <= x.shape[-1] - cos_sin.shape[-1]:
@@ -299,3 +307,12 @@ def _qk_norm_rotary_inplace(a):
 @fake_kernel(QK_NORM_PACKED_)
 def _qk_norm_rotary_packed(a):
     _qk_norm(a, *split_qkv(a.qkv, a.num_heads_q, a.num_heads_k, a.num_heads_v))
+
+
+@torch.library.register_fake("rope_ext::_angle_rows")
+def _angle_rows(positions: Tensor, freqs: Tensor) -> Tensor:
+    """The rows of the table-free mode and of every table (``cache.cos_sin_rows``)."""
+    torch._check(positions.dim() == 1, lambda: "positions must have shape [n]")
+    torch._check(freqs.dim() == 1 and freqs.shape[0] % 2 == 0, lambda: "freqs must have shape [rotary_dim]")
+    torch._check(freqs.dtype == torch.float64, lambda: "freqs must be float64")
+    return positions.new_empty((positions.shape[0], freqs.shape[0]), dtype=torch.float64)

@@ -2,7 +2,9 @@
 
 Shapes: ``x``, ``q``, ``k`` are ``[..., head_dim]`` (float32, float64, float16 or bfloat16) with a
 contiguous last dim and any other strides; ``positions`` is int32/int64, broadcastable to
-``x.shape[:-1]``; ``cos_sin`` is ``[P, rotary_dim]`` (cos half then sin half, float32 or x's dtype).
+``x.shape[:-1]``; ``cos_sin`` is ``[P, rotary_dim]`` (cos half then sin half, float32 or x's dtype), or
+float64 frequencies ``[rotary_dim]`` (:func:`rope_ext.frequencies`: each token's cos/sin computed in the op;
+positions may then be float32/float64).
 Arithmetic is float32 (float64 for float64 inputs); outputs have x's dtype.
 
 Each function builds its op's arguments once, in schema order, and hands them to the op's description

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rope_ext
+from rope_ext.cache import cos_sin_rows
 from rope_ext.checks import TYPE_ERROR_TAG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,6 +96,14 @@ CASES = {
         lambda: rope_ext.apply_rotary(X.half(), POS, CS.double()),
         lambda: torch.ops.rope_ext.rotary(X.half(), POS, CS.double()),
     ),
+    "cos_sin of shape [rotary_dim] (frequencies, then factors) must be float64": (
+        lambda: rope_ext.apply_rotary(X, POS, CS[0]),
+        lambda: torch.ops.rope_ext.rotary(X, POS, CS[0]),
+    ),
+    "positions must be int32, int64, float32 or float64": (
+        lambda: cos_sin_rows(torch.arange(T).half(), torch.ones(4, dtype=torch.float64)),
+        lambda: torch.ops.rope_ext._angle_rows(torch.arange(T).half(), torch.ones(8, dtype=torch.float64)),
+    ),
     "positions must be an int32 or int64 tensor": (
         lambda: rope_ext.apply_rotary(X, POS.float(), CS),
         lambda: torch.ops.rope_ext.rotary(X, POS.float(), CS),
@@ -159,7 +168,13 @@ CASES = {
     ),
 }
 # Checks no Python call reaches: a non-optional Tensor argument of a schema cannot be None.
-UNREACHABLE = (" must be a tensor, got None", "qkv must be a tensor", "cos_sin must be a tensor")
+# The private _angle_rows' freqs: its one caller (cos_sin_rows) makes them float64.
+UNREACHABLE = (
+    " must be a tensor, got None",
+    "qkv must be a tensor",
+    "cos_sin must be a tensor",
+    "freqs must be float64",
+)
 
 
 @pytest.mark.parametrize("fragment", list(CASES))

@@ -109,13 +109,20 @@ class Case:
     dtype: torch.dtype = torch.float32  # of q and k (the model's inputs and outputs are float32)
     flat: bool = False  # positions [T] (the serving ops) instead of [T, 1]
     int32: bool = False  # int32 positions (else int64)
+    freqs: bool = False  # cos_sin as frequencies (the table-free mode); positions float64 (int32: float32)
     extra: Callable[[int], dict] = field(default=lambda t: {})
 
     def positions(self, t: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(t)
         shape = (t,) if self.flat else (t, 1)
         p = torch.randint(0, P, (self.axes, *shape) if self.axes else shape, generator=g)
+        if self.freqs:
+            return (p - 0.375).float() if self.int32 else p.double() / 3.0
         return p.int() if self.int32 else p
+
+    def cos_sin(self) -> torch.Tensor:
+        cache = rope_ext.RopeCache(self.rd, max_positions=P)
+        return cache.frequencies_on() if self.freqs else cache.cos_sin
 
 
 SECTION = {"mrope_section": (2, 3, 3)}
@@ -203,6 +210,12 @@ CASES = [
     Case("rotary_qk_cache_-hnd-page_table-full-pages-q_out", _cache("HND"), flat=True,
          extra=_cache_extra("HND", q_out=True, paged=True, last_page_len=False)),
     Case("mla_rotary_cache_-page_table", _mla(), rd=8, flat=True, extra=_mla_extra(paged=True)),
+    Case("rotary-frequencies", _rotary(), freqs=True),
+    Case("rotary_qk-frequencies-float32-positions-interleaved", _rotary_qk(interleaved=True), freqs=True,
+         int32=True),
+    Case("rotary_qk_cache_-frequencies", _cache(), flat=True, freqs=True, extra=_cache_extra()),
+    Case("qk_norm_rotary-mrope-frequencies", _qk_norm(**SECTION), axes=3, flat=True, rotary_embedding=0,
+         freqs=True, extra=_weights),
 ]  # fmt: skip
 
 
@@ -229,7 +242,7 @@ class Alone(torch.nn.Module):
     def inputs(self, t: int) -> tuple:
         g = torch.Generator().manual_seed(100 + t)
         q, k = torch.randn(t, HQ, D, generator=g), torch.randn(t, HK, D, generator=g)
-        return (q, k, self.case.positions(t), table(self.case.rd), *self.case.extra(t).values())
+        return (q, k, self.case.positions(t), self.case.cos_sin(), *self.case.extra(t).values())
 
 
 class Block(Alone):
@@ -264,7 +277,7 @@ class Block(Alone):
 
     def inputs(self, t: int) -> tuple:
         x = torch.randn(t, 32, generator=torch.Generator().manual_seed(200 + t))
-        return (x, self.case.positions(t), table(self.case.rd), *self.case.extra(t).values())
+        return (x, self.case.positions(t), self.case.cos_sin(), *self.case.extra(t).values())
 
 
 def count(model, op_type: str) -> int:
@@ -317,6 +330,8 @@ def tolerance(case: Case, runtime: str, block: bool, output: int) -> tuple[float
         return (4 * half if block else half) * (4 if runtime == "openvino" else 1), 0.0
     if block:
         return 1e-5, 0.0
+    if case.freqs and runtime == "openvino":  # angles to 64 rad in float32: 64 * 2^-24
+        return 2e-5, 0.0
     if case.dtype == torch.float64 and runtime == "onnxruntime":  # OpenVINO computes float64 in float32
         return 1e-12, 0.0
     return 2e-6, 0.0

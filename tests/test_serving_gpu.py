@@ -187,7 +187,8 @@ P = 1024  # rows of the cos/sin tables
 
 
 def _tables():
-    return {d: rope_ext.RopeCache(d, 500000.0, max_positions=P, device="cuda").cos_sin for d in (D, D // 2)}
+    caches = {d: rope_ext.RopeCache(d, 500000.0, max_positions=P, device="cuda") for d in (D, D // 2)}
+    return {d: c.cos_sin for d, c in caches.items()} | {"freqs": caches[D].frequencies_on()}
 
 
 def _make(g, cache_dtype=None, layout="NHD", q8=False, mla=False):
@@ -260,6 +261,13 @@ def _rotary_qk(t, cs):
     return [t["qkv"]]
 
 
+def _rotary_qk_table_free(t, cs):
+    """Frequencies instead of the table: the rows' launch and its buffer inside the captured graph."""
+    q, k, _ = _split(t["qkv"])
+    rope_ext.apply_rotary_qk_(q, k, t["pos"][:, None] / 3.0, cs["freqs"])
+    return [t["qkv"]]
+
+
 CAPTURED = {  # op: (make's options, call)
     "cache-bf16": (dict(cache_dtype=torch.bfloat16), _cache_bf16),
     "cache-fp8": (dict(cache_dtype=torch.float8_e4m3fn, layout="HND", q8=True), _cache_fp8),
@@ -268,6 +276,7 @@ CAPTURED = {  # op: (make's options, call)
     "qk-norm": ({}, _qk_norm),
     "qk-norm-packed": ({}, _qk_norm_packed),
     "rotary-qk-inplace": ({}, _rotary_qk),
+    "rotary-qk-table-free": ({}, _rotary_qk_table_free),
 }
 
 

@@ -185,16 +185,26 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
                " must have the head_dim of q (", head_dim, "), got ", ki->size.back());
   }
 
+  // cos_sin: a table [positions, rotary_dim], or (the table-free mode) float64 [rotary_dim]: each
+  // pair's frequency, then the factor of its cos and sin (RopeParams::freqs).
   ROPE_CHECK(TypeError, cos_sin.defined(), "cos_sin must be a tensor, got None");
   const IntRef cs_size = cos_sin.sizes(), cs_stride = cos_sin.strides();
-  ROPE_CHECK(ValueError, cs_size.size() == 2,
-             "cos_sin must have shape [positions, rotary_dim], got shape ", shape_str(cs_size));
+  const bool table_free = cs_size.size() == 1;
+  ROPE_CHECK(ValueError, cs_size.size() == 2 || table_free,
+             "cos_sin must have shape [positions, rotary_dim] (a table) or [rotary_dim] "
+             "(frequencies), got shape ",
+             shape_str(cs_size));
   const ScalarType cs_dtype = dtype_of(cos_sin);
-  ROPE_CHECK(TypeError, cs_dtype == ScalarType::Float || cs_dtype == dtype,
-             "cos_sin must be float32 or the dtype of ", xname, " (", dtype, "), got ", cs_dtype);
+  if (table_free)
+    ROPE_CHECK(TypeError, cs_dtype == ScalarType::Double,
+               "cos_sin of shape [rotary_dim] (frequencies, then factors) must be float64, got ",
+               cs_dtype);
+  else
+    ROPE_CHECK(TypeError, cs_dtype == ScalarType::Float || cs_dtype == dtype,
+               "cos_sin must be float32 or the dtype of ", xname, " (", dtype, "), got ", cs_dtype);
   ROPE_CHECK(ValueError, same_device(cos_sin, q_in), "cos_sin must be on the device of ", xname,
              " (", device_str(q_in), "), got ", device_str(cos_sin));
-  const int64_t rotary_dim = cs_size[1];
+  const int64_t rotary_dim = cs_size.back();
   ROPE_CHECK(ValueError, rotary_dim > 0 && rotary_dim % 2 == 0,
              "rotary_dim (cos_sin.shape[-1]) must be even and positive, got ", rotary_dim);
   ROPE_CHECK(ValueError, rotary_dim <= head_dim, "rotary_dim (cos_sin.shape[-1] = ", rotary_dim,
@@ -203,16 +213,22 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
              "rotary_offset must be in [0, head_dim - rotary_dim] = [0, ", head_dim - rotary_dim,
              "] (", xname, ".shape[-1] = ", head_dim,
              ", rotary_dim = cos_sin.shape[-1] = ", rotary_dim, "), got ", rotary_offset);
-  ROPE_CHECK(ValueError, cs_stride[1] == 1, "cos_sin must have a contiguous last dim, got strides ",
-             shape_str(cs_stride));
+  ROPE_CHECK(ValueError, cs_stride.back() == 1,
+             "cos_sin must have a contiguous last dim, got strides ", shape_str(cs_stride));
   ROPE_CHECK(ValueError, !k_rotary_only || ki->size.back() == rotary_dim, k_name,
              ".shape[-1] must be rotary_dim (cos_sin.shape[-1] = ", rotary_dim, "), got ",
              ki->size.back());
 
   ROPE_CHECK(TypeError, positions.defined(), "positions must be a tensor, got None");
   const ScalarType pos_dtype = dtype_of(positions);
-  ROPE_CHECK(TypeError, pos_dtype == ScalarType::Int || pos_dtype == ScalarType::Long,
-             "positions must be an int32 or int64 tensor, got ", pos_dtype);
+  const bool float_pos = pos_dtype == ScalarType::Float || pos_dtype == ScalarType::Double;
+  ROPE_CHECK(TypeError, pos_dtype == ScalarType::Int || pos_dtype == ScalarType::Long || float_pos,
+             "positions must be an int32 or int64 tensor (float32 or float64 with frequencies), "
+             "got ",
+             pos_dtype);
+  ROPE_CHECK(TypeError, table_free || !float_pos, "positions must be an int32 or int64 tensor ",
+             "with a cos_sin table (float positions need frequencies, cos_sin [rotary_dim]), got ",
+             pos_dtype);
   ROPE_CHECK(ValueError, same_device(positions, q_in), "positions must be on the device of ", xname,
              " (", device_str(q_in), "), got ", device_str(positions));
 
@@ -330,16 +346,21 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   p.mrope_interleaved = mrope_interleaved;
   p.pos_section_stride = section_stride;
   p.pos_int64 = pos_dtype == ScalarType::Long;
-  p.cos_sin = cos_sin.data_ptr();
-  p.cs_row_stride = cs_stride[0];
-  p.n_cache_rows = cs_size[0];
+  p.pos_type = pos_dtype == ScalarType::Int     ? rope::PosType::kInt32
+               : pos_dtype == ScalarType::Long  ? rope::PosType::kInt64
+               : pos_dtype == ScalarType::Float ? rope::PosType::kFloat32
+                                                : rope::PosType::kFloat64;
+  p.freqs = table_free ? static_cast<const double*>(cos_sin.data_ptr()) : nullptr;
+  p.cos_sin = table_free ? nullptr : cos_sin.data_ptr();
+  p.cs_row_stride = table_free ? 0 : cs_stride[0];
+  p.n_cache_rows = table_free ? 0 : cs_size[0];
   p.head_dim = int(head_dim);
   p.rotary_dim = int(rotary_dim);
   p.rot_offset = int(rotary_offset);
   p.interleaved = interleaved;
   p.inverse = inverse;
   p.x_dtype = to_dtype(dtype);
-  p.cs_dtype = to_dtype(cs_dtype);
+  p.cs_dtype = table_free ? angle_rows_dtype(p) : to_dtype(cs_dtype);
   // What is written must not hold the positions or the table, which every thread reads.
   const Layout lpos(positions), lcs(cos_sin);
   const char* qo_name = &q_out == &q_in ? xname : "q_out";
@@ -370,12 +391,97 @@ int64_t first_bad_position(const rope::RopeParams& p, int64_t* value) {
   return -1;
 }
 
+rope::DType angle_rows_dtype(const rope::RopeParams& p) {
+  return p.x_dtype == rope::DType::kFloat64 ? rope::DType::kFloat64 : rope::DType::kFloat32;
+}
+
+std::optional<AngleRowsHeld> bind_angle_rows(rope::RopeParams& p, const Tensor& q,
+                                             RowsLauncher launch_rows, HostScratch host_scratch) {
+  if (!p.freqs) return std::nullopt;
+  const rope::DType dtype = angle_rows_dtype(p);
+  const int64_t n_rows = p.n_tokens * p.rotary_dim;
+  AngleRowsHeld held;
+  rope::AngleRows ar{p, nullptr, dtype, nullptr};
+  if (host_scratch) {
+    const size_t row_bytes = size_t(n_rows) * size_t(rope::dtype_size(dtype));
+    char* scratch = static_cast<char*>(host_scratch(row_bytes + size_t(p.n_tokens) * 8));
+    ar.rows = scratch;
+    ar.index = reinterpret_cast<int64_t*>(scratch + row_bytes);  // rows: whole 8-byte words
+  } else {
+    const ScalarType st = dtype == rope::DType::kFloat64 ? ScalarType::Double : ScalarType::Float;
+    held.rows = torch::stable::empty({n_rows}, st, std::nullopt, q.device());
+    held.index = torch::stable::empty({p.n_tokens}, ScalarType::Long, std::nullopt, q.device());
+    ar.rows = held.rows->data_ptr();
+    ar.index = static_cast<int64_t*>(held.index->data_ptr());
+  }
+  launch_rows(ar, q);
+  // The kernels read the rows as a table whose row t is token t's: position t, from positions
+  // laid out as the tokens are counted (the last token dim fastest).
+  p.freqs = nullptr;
+  p.positions = ar.index;
+  p.pos_type = rope::PosType::kInt64;
+  p.pos_int64 = true;
+  for (int64_t d = p.n_tok_dims - 1, stride = 1; d >= 0; stride *= p.tok_size[d--])
+    p.pos_stride[d] = stride;
+  p.n_axes = 0;
+  p.mrope_interleaved = false;
+  p.pos_section_stride = 0;
+  p.cos_sin = ar.rows;
+  p.cs_row_stride = p.rotary_dim;
+  p.n_cache_rows = p.n_tokens;
+  p.cs_dtype = dtype;
+  return held;
+}
+
+Tensor angle_rows_op(const Backend& backend, const Tensor& positions, const Tensor& freqs) {
+  ROPE_CHECK(ValueError, positions.dim() == 1, "positions must have shape [n], got shape ",
+             shape_str(positions.sizes()));
+  ROPE_CHECK(ValueError, freqs.dim() == 1 && freqs.size(0) > 0 && freqs.size(0) % 2 == 0,
+             "freqs must have shape [rotary_dim] (rotary_dim even and positive), got shape ",
+             shape_str(freqs.sizes()));
+  ROPE_CHECK(TypeError, dtype_of(freqs) == ScalarType::Double, "freqs must be float64, got ",
+             dtype_of(freqs));
+  ROPE_CHECK(ValueError, freqs.stride(0) == 1, "freqs must be contiguous, got strides ",
+             shape_str(freqs.strides()));
+  const ScalarType pd = dtype_of(positions);
+  ROPE_CHECK(TypeError,
+             pd == ScalarType::Int || pd == ScalarType::Long || pd == ScalarType::Float ||
+                 pd == ScalarType::Double,
+             "positions must be int32, int64, float32 or float64, got ", pd);
+  ROPE_CHECK(ValueError,
+             freqs.get_device_index() == positions.get_device_index() &&
+                 freqs.device().type() == positions.device().type(),
+             "freqs must be on the device of positions (", device_str(positions), "), got ",
+             device_str(freqs));
+  ROPE_CHECK(ValueError, freqs.size(0) <= rope::kMaxHeadDim, "rotary_dim must be at most 2^29");
+  const int64_t n = positions.size(0);
+  Tensor rows = torch::stable::empty({n, freqs.size(0)}, ScalarType::Double, std::nullopt,
+                                     positions.device());
+  rope::AngleRows ar{};
+  rope::RopeParams& p = ar.rope;
+  p.n_tok_dims = 1;
+  p.n_tokens = p.tok_size[0] = n;
+  p.pos_stride[0] = positions.stride(0);
+  p.positions = positions.data_ptr();
+  p.pos_type = pd == ScalarType::Int     ? rope::PosType::kInt32
+               : pd == ScalarType::Long  ? rope::PosType::kInt64
+               : pd == ScalarType::Float ? rope::PosType::kFloat32
+                                         : rope::PosType::kFloat64;
+  p.freqs = static_cast<const double*>(freqs.data_ptr());
+  p.rotary_dim = int(freqs.size(0));
+  ar.rows = rows.data_ptr();
+  ar.rows_dtype = rope::DType::kFloat64;
+  if (n > 0) backend.launch_rows(ar, positions);
+  return rows;
+}
+
 namespace {
 
-void run(const rope::RopeParams& p, const Tensor& q, const Backend& backend) {
+void run(rope::RopeParams p, const Tensor& q, const Backend& backend) {
   int64_t heads = 0;
   for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
   if (p.n_tokens == 0 || heads == 0) return;  // empty: nothing to read or write
+  const auto rows = bind_angle_rows(p, q, backend.launch_rows, backend.host_scratch);
   if (backend.check_positions) backend.check_positions(p);
   backend.launch(p, q);
 }

@@ -16,6 +16,12 @@
 
 namespace rope_ext {
 
+// Builds the table-free rows of ar (params.h AngleRows) on q's device.
+using RowsLauncher = void (*)(const rope::AngleRows& ar, const Tensor& q);
+// Host memory of at least `bytes`, 64-byte aligned, for the table-free rows of
+// one call on the calling thread (valid until its next call).
+using HostScratch = void* (*)(size_t bytes);
+
 struct Backend {
   // Raise if a position is outside [0, cos_sin.size(0)); null when the
   // backend cannot look at positions without a host synchronisation.
@@ -30,6 +36,10 @@ struct Backend {
   // Re-rotation of the cached keys of every token of p (slots and deltas
   // checked when check_positions is set).
   void (*launch_rerotate)(const rope::RerotateParams& p, const Tensor& key_cache);
+  // The table-free rows (CPU: raises for a position whose angle cannot be formed),
+  // in host_scratch's memory (CPU), else in tensors on the device.
+  RowsLauncher launch_rows;
+  HostScratch host_scratch;
 };
 
 // rope_ext::rotary
@@ -140,6 +150,10 @@ inline void qk_norm_rotary_packed_plain(const Backend& b, const Tensor& qkv, int
                          positions, cos_sin, kDefaultNormEps, false, 0.0, 0, std::nullopt, false);
 }
 
+// rope_ext::_angle_rows: float64 rows [n, rotary_dim] of positions [n] and
+// frequencies [rotary_dim] (binding.cpp).
+Tensor angle_rows_op(const Backend& backend, const Tensor& positions, const Tensor& freqs);
+
 // Op body F (its backend first) as a kernel of backend B: the other
 // parameters by value, as TORCH_BOX unboxes them.
 template <auto F, const Backend& B, class Signature = decltype(F)>
@@ -172,6 +186,7 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   impl<&rotary_qk_cache_scaled, B>(m, "rotary_qk_cache_.scaled");
   impl<&rotary_qk_cache_paged, B>(m, "rotary_qk_cache_.paged");
   impl<&qk_norm_rotary_packed_plain, B>(m, "qk_norm_rotary_packed_.plain");
+  impl<&angle_rows_op, B>(m, "_angle_rows");
 }
 
 // Shared checks of the serving ops (serving_binding.cpp). The fp8 storage of
@@ -234,6 +249,20 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
                              bool mrope_interleaved, const char* q_name = nullptr,
                              bool token_major = false, const char* k_name = "k",
                              bool k_rotary_only = false);
+
+// The table-free mode (cos_sin given as frequencies): when p.freqs is set,
+// every token's cos/sin row built by launch_rows on q's device, and p
+// rewritten to read them as a table (row t is token t's; p.freqs null). The
+// rows go to host_scratch (a host backend: no allocation per call), or to
+// tensors on q's device, held until the kernel is enqueued. Else nothing.
+struct AngleRowsHeld {
+  std::optional<Tensor> rows, index;
+};
+std::optional<AngleRowsHeld> bind_angle_rows(rope::RopeParams& p, const Tensor& q,
+                                             RowsLauncher launch_rows,
+                                             HostScratch host_scratch = nullptr);
+// The rows' dtype: float64 for float64 inputs, else float32.
+rope::DType angle_rows_dtype(const rope::RopeParams& p);
 
 // Checks that `q` (and `k`) may be written in place: no element is reached
 // twice, and q and k share no element.

@@ -4,8 +4,12 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstddef>
 #include <cstdlib>
+#include <vector>
 
+#include "../rope/angles.h"
 #include "../rope/cpu/cpu.h"
 #include "../rope/rope.h"
 #include "binding.h"
@@ -89,8 +93,53 @@ void launch_rerotate_cpu(const rope::RerotateParams& p, const Tensor&) {
               [&](int64_t begin, int64_t end) { rope::cpu::rerotate_tokens(p, begin, end); });
 }
 
-constexpr Backend kCpu{check_positions_cpu, launch_cpu, launch_cache_cpu, launch_norm_cpu,
-                       launch_rerotate_cpu};
+// The table-free rows, and the check that every angle could be formed: a NaN
+// in a row is a position (or frequency) that gives none, raised before the op
+// writes anything.
+void launch_rows_cpu(const rope::AngleRows& ar, const Tensor&) {
+  const rope::RopeParams& p = ar.rope;
+  const int64_t per_token = int64_t(p.rotary_dim) * 64;  // about the cost of its pairs
+  std::atomic<int64_t> first_nan{p.n_tokens};
+  over_tokens(p.n_tokens, per_token, [&](int64_t begin, int64_t end) {
+    const int64_t t = rope::cpu::angle_rows(ar, begin, end);
+    int64_t seen = first_nan.load();
+    while (t >= 0 && t < seen && !first_nan.compare_exchange_weak(seen, t)) {
+    }
+  });
+  const int64_t t = first_nan.load();
+  if (t == p.n_tokens) return;
+  const int h = p.rotary_dim / 2;
+  const int64_t off = rope::token_offsets(p, t).pos;
+  int j = 0;
+  double pos = 0, c = 0, s = 0;
+  rope::dispatch_angle_rows(ar, [&]<class Pos, class>() {
+    for (;; ++j) {
+      pos = rope::position_value<Pos>(p, rope::pair_position_offset(p, off, j));
+      rope::angle_cos_sin(pos, p.freqs[j], p.freqs[h + j], c, s);
+      if (c != c || j + 1 == h) break;
+    }
+    pos = double(static_cast<const Pos*>(p.positions)[rope::pair_position_offset(p, off, j)]);
+  });
+  ROPE_CHECK(ValueError, false,
+             "positions must give finite angles with the frequencies (finite, |position| <= "
+             "2^53, |position * frequency| < 3.5e15): token ",
+             t, " has position ", pos, " for pair ", j, " (frequency ", p.freqs[j], ", factor ",
+             p.freqs[h + j], ")");
+}
+
+// The table-free rows of a call: one buffer per calling thread, grown to the
+// largest call's rows and kept (fresh pages for every call would cost more
+// than computing the rows), written by the call's workers.
+void* host_scratch_cpu(size_t bytes) {
+  thread_local std::vector<std::max_align_t> buffer;
+  const size_t words = (bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t) + 4;
+  if (buffer.size() < words) buffer.resize(words);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - at % 64) % 64) / sizeof(std::max_align_t);
+}
+
+constexpr Backend kCpu{check_positions_cpu, launch_cpu,      launch_cache_cpu, launch_norm_cpu,
+                       launch_rerotate_cpu, launch_rows_cpu, host_scratch_cpu};
 
 std::string cpu_isa() { return rope::cpu::isa(); }
 bool cpu_isa_supported(std::string name) { return rope::cpu::isa_supported(name.c_str()); }

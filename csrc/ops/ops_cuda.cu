@@ -1,7 +1,9 @@
 // CUDA kernels of the rope_ext ops, in their own library (rope_ext._C_cuda,
 // loaded by rope_ext/ops.py when torch has CUDA): launch on the current stream
 // under a device guard; no host synchronisation and no allocation besides the
-// outputs of the out-of-place ops, so every op can be captured in a CUDA graph.
+// outputs of the out-of-place ops and the rows of the table-free mode (from
+// the caching allocator, stream-ordered), so every op can be captured in a
+// CUDA graph.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -50,10 +52,13 @@ void on_device(const Params& p, const Tensor& q) {
 // would synchronise). A position outside the cache yields NaN in that token's
 // rotated features, a slot outside the cache is skipped (never written), and
 // rope_ext.set_position_checks(True) makes the Python API raise instead.
-constexpr Backend kCuda{nullptr, on_device<rope::RopeParams, rope::gpu::launch>,
+constexpr Backend kCuda{nullptr,
+                        on_device<rope::RopeParams, rope::gpu::launch>,
                         on_device<rope::CacheParams, rope::gpu::launch_cache>,
                         on_device<rope::NormParams, rope::gpu::launch_norm>,
-                        on_device<rope::RerotateParams, rope::gpu::launch_rerotate>};
+                        on_device<rope::RerotateParams, rope::gpu::launch_rerotate>,
+                        on_device<rope::AngleRows, rope::gpu::launch_angle_rows>,
+                        nullptr};
 
 }  // namespace
 }  // namespace rope_ext

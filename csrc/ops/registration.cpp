@@ -67,6 +67,11 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   // CPU cache ops find and check them (CPU only): the host check of an eager
   // CUDA call with position checks on.
   m.def("_page_table_slots(Tensor[] page_table, int block_size, int num_blocks) -> Tensor");
+  // The cos/sin rows [n, rotary_dim] (float64) of positions [n] (int32, int64,
+  // float32 or float64) with frequencies [rotary_dim] (float64: each pair's
+  // frequency, then its factor): the rows of the table-free mode, and of
+  // rope_ext.cos_sin_rows (so of every RopeCache table).
+  m.def("_angle_rows(Tensor positions, Tensor freqs) -> Tensor");
   // Re-rotation of cached keys: every head of the key stored at slot
   // slot_mapping[t] of key_cache ("NHD" [blocks, block_size, Hk, D] or "HND"
   // [blocks, Hk, block_size, D], a float dtype or fp8 with k_scale) rotated in

@@ -363,8 +363,9 @@ void check_slots(const int64_t* slots, int64_t n, int64_t n_cache_slots, const c
 namespace {
 
 // A cache write's positions and slots checked (a backend that reads host memory), then its launch.
-void run_cache(const rope::CacheParams& cp, const Tensor& q, const Backend& backend) {
+void run_cache(rope::CacheParams cp, const Tensor& q, const Backend& backend) {
   if (cp.rope.n_tokens == 0 || q.size(0) == 0) return;
+  const auto rows = bind_angle_rows(cp.rope, q, backend.launch_rows, backend.host_scratch);
   if (backend.check_positions) {
     backend.check_positions(cp.rope);
     constexpr const char* kWhy = "each token's k and v need a slot of their own";
@@ -456,8 +457,9 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
 
 namespace {
 
-void run_norm(const rope::NormParams& np, const Tensor& q, const Backend& backend) {
+void run_norm(rope::NormParams np, const Tensor& q, const Backend& backend) {
   if (np.rope.n_tokens == 0 || np.rope.t[0].n_heads + np.rope.t[1].n_heads == 0) return;
+  const auto rows = bind_angle_rows(np.rope, q, backend.launch_rows, backend.host_scratch);
   if (backend.check_positions) backend.check_positions(np.rope);
   backend.launch_norm(np, q);
 }

@@ -30,6 +30,9 @@ constexpr int64_t kMaxHeadDim = int64_t(1) << 29;
 
 enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 
+// Storage of positions: integers, or (the table-free mode only) floats.
+enum class PosType : int32_t { kInt32 = 0, kInt64 = 1, kFloat32 = 2, kFloat64 = 3 };
+
 // 16-bit storage types. The kernels only move their bits; all arithmetic
 // happens in float (double for float64 inputs).
 struct Half {
@@ -94,6 +97,14 @@ struct RopeParams {
   bool interleaved;  // pairs (2j, 2j+1); else (j, j + rotary_dim/2)
   bool inverse;      // rotate by the negative angle (the gradient)
 
+  // The table-free mode (cos_sin given as frequencies; null otherwise): pair
+  // j rotates by the angle p f_j, f_j = freqs[j], and its cos and sin are
+  // multiplied by freqs[rotary_dim / 2 + j] (angles.h). Positions may then
+  // be floats (pos_type). The binding first builds every token's row
+  // (AngleRows) and hands the kernels a table: they never read freqs.
+  const double* freqs;
+  PosType pos_type;
+
   // CPU kernels only (null elsewhere): token t of t[0] starts at element
   // tok_rows[t] of in and of out instead of at its token dims' offsets (the
   // re-rotation's cache rows, at any slots).
@@ -102,6 +113,18 @@ struct RopeParams {
   DType x_dtype;   // dtype of q and k (input and output)
   DType cs_dtype;  // float32, or x_dtype
   bool pos_int64;  // positions are int64 (else int32)
+};
+
+// The cos/sin rows of the table-free mode (angles.h): row t of `rows`
+// [rope.n_tokens, rotary_dim] is token t's (its pairs' positions as the
+// kernels read them, MRoPE axes included), cos half then sin half, the sine
+// not negated for rope.inverse. index[t] = t when index is set: the kernels
+// then read the rows as a table, with the token's index as its position.
+struct AngleRows {
+  RopeParams rope;  // freqs set; cos_sin unused
+  void* rows;
+  DType rows_dtype;  // float32 or float64
+  int64_t* index;    // [rope.n_tokens], or null
 };
 
 }  // namespace rope

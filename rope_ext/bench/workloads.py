@@ -116,6 +116,7 @@ class Case:
     grad_q: Tensor
     grad_k: Tensor
     cu_seqlens: Tensor | None = None  # int32 [N + 1]: a packed prefill of N sequences
+    freqs: Tensor | None = None  # float64 [rotary_dim]: cos_sin's frequencies (the table-free mode)
     _expected: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
     _serving: dict[str, Any] = field(default_factory=dict)  # built on first use, shared by copies
 
@@ -424,11 +425,10 @@ def make_case(
         positions = torch.arange(tokens, dtype=torch.int64)
         n_pos = max(tokens, 1)
     if preset.axes is not None:
-        cos_sin = rope_ext.RopeCache.for_axes(
-            list(preset.axes.dims), theta=preset.base, max_positions=n_pos
-        ).cos_sin
+        cache = rope_ext.RopeCache.for_axes(list(preset.axes.dims), theta=preset.base, max_positions=n_pos)
     else:
-        cos_sin = rope_ext.RopeCache(preset.rotary_dim, preset.base, max_positions=n_pos).cos_sin
+        cache = rope_ext.RopeCache(preset.rotary_dim, preset.base, max_positions=n_pos)
+    cos_sin = cache.cos_sin
 
     def rnd(h: int) -> Tensor:
         return torch.randn(tokens, h, preset.head_dim, generator=g).to(dtype)
@@ -447,6 +447,7 @@ def make_case(
         grad_q=rnd(preset.q_heads).to(device),
         grad_k=rnd(preset.kv_heads).to(device),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
+        freqs=cache.frequencies_on(device),
     )
 
 

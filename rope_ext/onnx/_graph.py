@@ -67,12 +67,25 @@ def align_positions(positions: ir.Value, n: int, mrope: bool) -> tuple[ir.Value,
     lead = 1 if mrope else 0
     dims = list(positions.shape)[lead:]
     r = len(dims)
-    p = op.Cast(positions, to=ir.DataType.INT64)
+    floating = positions.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE)  # frequencies' positions
+    p = op.Cast(positions, to=ir.DataType.DOUBLE if floating else ir.DataType.INT64)
     if r < n and not (r == 0 or dims[-1] == 1) and r == n - 1:
         p, dims = op.Unsqueeze(p, [lead + r]), [*dims, 1]  # [T] of the token-major ops: [T, 1]
     elif r < n:
         p, dims = op.Unsqueeze(p, list(range(lead, lead + n - r))), [1] * (n - r) + dims
     return p, [d if isinstance(d, int) else None for d in dims]
+
+
+def rows_of(cos_sin: ir.Value, p: ir.Value, dtype: ir.DataType) -> ir.Value:
+    """The cos/sin rows ``[*p, rotary_dim]`` of positions ``p`` in ``dtype``: gathered from a table, or, for
+    frequencies (``cos_sin [rotary_dim]``: each pair's frequency, then its factor), computed in float64
+    (``cos(p f) * a``; ONNX Runtime's cos of the rounded product, not the kernels' exact angle)."""
+    if len(cos_sin.shape) == 2:
+        return op.Gather(cast(cos_sin, dtype), p, axis=0)
+    rd = static_dim(cos_sin.shape[-1], "rotary_dim (cos_sin.shape[-1])", "the table-free rows")
+    f, a = _split(cast(cos_sin, ir.DataType.DOUBLE), [0, rd // 2, rd])
+    angle = op.Mul(op.Unsqueeze(op.Cast(p, to=ir.DataType.DOUBLE), [-1]), f)
+    return cast(op.Concat(op.Mul(op.Cos(angle), a), op.Mul(op.Sin(angle), a), axis=-1), dtype)
 
 
 def _split(x: ir.Value, bounds: list[int]) -> list[ir.Value]:
@@ -151,7 +164,7 @@ def _rotate_with_op(x, xs, p, pdims, cos_sin, d, rd, interleaved, inverse, offse
     if any(pdims[i] == 1 and xs[i] != 1 for i in range(k)):
         target = op.Shape(x, start=0, end=k)
         p = op.Expand(p, op.Concat(target, _i64([1] * (n - k)), axis=0) if k < n else target)
-    rows = op.Gather(cast(cos_sin, ir.DataType.FLOAT), op.Reshape(p, [-1]), axis=0)  # [tokens, rd]
+    rows = rows_of(cos_sin, op.Reshape(p, [-1]), ir.DataType.FLOAT)  # [tokens, rd]
     cos, sin = _split(rows, [0, rd // 2, rd])
     if inverse:
         sin = op.Neg(sin)
@@ -174,7 +187,7 @@ def _rotate_decomposed(
     pair's axis picked with Where), ``y1 = x1 c - x2 s``, ``y2 = x2 c + x1 s``, the pairs put back with
     Concat."""
     h = rd // 2
-    rows = op.Gather(cast(cos_sin, dtype), p, axis=0)  # [*p, rd] (MRoPE: [axes, *p, rd])
+    rows = rows_of(cos_sin, p, dtype)  # [*p, rd] (MRoPE: [axes, *p, rd])
     c, s = _split(rows, [0, h, rd])
     if mrope_section is not None:  # rows [axes, *p, rd]: pair j takes the row of its axis
         sec = mrope_rows(h, tuple(mrope_section), mrope_interleaved).numpy()

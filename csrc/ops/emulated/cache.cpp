@@ -12,8 +12,11 @@ namespace {
 
 // The cache kernel's body over its grid for a GPU with num_sms SMs. Returns [grid_x, grid_y,
 // block_x, block_y, vectorized].
-std::vector<int64_t> emulate(const rope::CacheParams& cp, int64_t n_q_tokens, int64_t num_sms,
+std::vector<int64_t> emulate(rope::CacheParams cp, const Tensor& q, int64_t num_sms,
                              bool force_scalar) {
+  const int64_t n_q_tokens = q.size(0);
+  const auto rows =
+      n_q_tokens > 0 ? bind_angle_rows(cp.rope, q, emulated_angle_rows) : std::nullopt;
   const auto l = rope::gpu::plan_cache_launch(cp, num_sms, force_scalar);
   const auto& g = l.grid;
   if (n_q_tokens > 0 && rope::gpu::cache_has_work(cp, l)) {
@@ -39,7 +42,7 @@ std::vector<int64_t> cuda_emulated_cache(
       make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
                         v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section,
                         mrope_interleaved, inverse, page_table);
-  return emulate(cp, q.size(0), num_sms, force_scalar);
+  return emulate(cp, q, num_sms, force_scalar);
 }
 
 std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tensor positions,
@@ -52,7 +55,7 @@ std::vector<int64_t> cuda_emulated_mla(Tensor q, Tensor kv_c, Tensor k_pe, Tenso
   const auto cp =
       make_mla_cache_params(q, kv_c, k_pe, positions, cos_sin, kv_cache, slot_mapping, kv_scale,
                             q_out, q_scale, interleaved, rotary_offset, inverse, page_table);
-  return emulate(cp, q.size(0), num_sms, force_scalar);
+  return emulate(cp, q, num_sms, force_scalar);
 }
 
 }  // namespace rope_ext

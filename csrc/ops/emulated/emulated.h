@@ -11,6 +11,10 @@
 
 namespace rope_ext {
 
+// The CUDA body of the table-free rows over its grid (the emulated ops'
+// RowsLauncher, binding.h bind_angle_rows).
+void emulated_angle_rows(const rope::AngleRows& ar, const Tensor& q);
+
 // rope_ext::_cuda_emulated: rotates q (and k) into q_out (and k_out), which may
 // be q (and k), over the grid plan_launch chooses for a GPU with num_sms SMs;
 // force_scalar disables the 16-byte accesses; features [rotary_offset,

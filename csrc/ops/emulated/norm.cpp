@@ -24,10 +24,11 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
   const Arg qa(q), qoa(q_out), ka(k), koa(k_out);
   check_input(qoa, "q_out");
   check_input(koa, "k_out");
-  const auto np =
+  auto np =
       make_norm_params(qa, qoa, ka, koa, q_weight, k_weight, positions, cos_sin, eps, interleaved,
                        weight_offset, rotary_offset, mrope_section, mrope_interleaved);
   check_writable(qoa, &koa);
+  const auto rows = bind_angle_rows(np.rope, q, emulated_angle_rows);
   const auto l = rope::gpu::plan_norm_launch(np, num_sms, force_scalar);
   if (l.n_items > 0) {
     rope::gpu::dispatch_cuda(

@@ -34,10 +34,10 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
   if (kp) ka.emplace(*kp), koa.emplace(*kop);
   check_input(qoa, "q_out");
   if (koa) check_input(*koa, "k_out");
-  const auto p =
-      make_params(qa, qoa, ka ? &*ka : nullptr, koa ? &*koa : nullptr, positions, cos_sin,
-                  interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved);
+  auto p = make_params(qa, qoa, ka ? &*ka : nullptr, koa ? &*koa : nullptr, positions, cos_sin,
+                       interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved);
   check_writable(qoa, koa ? &*koa : nullptr);
+  const auto rows = bind_angle_rows(p, q, emulated_angle_rows);
   const auto l = rope::gpu::plan_launch(p, num_sms, force_scalar);
   if (rope::gpu::has_work(p, l)) {
     rope::gpu::dispatch_cuda(p, l.vectorized,

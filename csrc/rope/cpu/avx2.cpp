@@ -569,6 +569,10 @@ void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t
   host::rotate_tokens_unrolled<host::Avx2Head>(p, begin, end);
 }
 
+int64_t cpu::detail::angle_rows_avx2(const AngleRows& ar, int64_t begin, int64_t end) {
+  return host::angle_rows(ar, begin, end);
+}
+
 void cpu::detail::norm_rotate_tokens_avx2(const NormParams& np, int64_t begin, int64_t end) {
   dispatch_types(np.rope, [&]<class T, class CS, class Pos, bool IL>() {
     switch (np.rope.rotary_dim) {

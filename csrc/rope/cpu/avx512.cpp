@@ -34,6 +34,10 @@ void rope::cpu::detail::rotate_tokens_avx512(const RopeParams& p, int64_t begin,
   host::rotate_tokens_avx512_body(p, begin, end);
 }
 
+int64_t rope::cpu::detail::angle_rows_avx512(const AngleRows& ar, int64_t begin, int64_t end) {
+  return host::angle_rows(ar, begin, end);
+}
+
 // bf16 without the AVX512_BF16 conversion: heads that are not rotated whole (partial rotary,
 // rotary_offset) take the AVX2 head, whose bf16 rounding in 8-lane halves measured faster than the
 // 16-lane integer rounding there (benchmarks/cpu-serving.md); the same bits.

@@ -28,6 +28,12 @@ void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end);
 // threads at once.
 void rerotate_tokens(const RerotateParams& rp, int64_t begin, int64_t end);
 
+// The table-free rows of tokens [begin, end) of `ar` (params.h AngleRows;
+// cpu/kernel.h angle_rows_impl). Distinct token ranges may run on different
+// threads at once. Returns the first token of the range whose row holds a
+// NaN (a position or frequency that gives no angle), or -1.
+int64_t angle_rows(const AngleRows& ar, int64_t begin, int64_t end);
+
 // QK-RMSNorm + rotary of tokens [begin, end) of `np` (cpu/kv_cache.cpp).
 void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end);
 

@@ -26,10 +26,15 @@ void detail::norm_rotate_tokens_scalar(const NormParams& np, int64_t begin, int6
   });
 }
 
+int64_t detail::angle_rows_scalar(const AngleRows& ar, int64_t begin, int64_t end) {
+  return host::angle_rows(ar, begin, end);
+}
+
 namespace {
 
 using Kernel = void (*)(const RopeParams&, int64_t, int64_t);
 using NormKernel = void (*)(const NormParams&, int64_t, int64_t);
+using RowsKernel = int64_t (*)(const AngleRows&, int64_t, int64_t);
 
 struct Isa {
   const char* name;
@@ -38,6 +43,7 @@ struct Isa {
   bool (*supported)();
   NormKernel norm;     // the fused QK-RMSNorm + rotary
   const RowOps* rows;  // the serving ops' row kernels
+  RowsKernel angles;   // the table-free rows
 };
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -56,27 +62,27 @@ bool always() { return true; }
 
 constexpr Isa kIsas[] = {
     {"scalar", 0, detail::rotate_tokens_scalar, always, detail::norm_rotate_tokens_scalar,
-     &detail::kRowsScalar},
+     &detail::kRowsScalar, detail::angle_rows_scalar},
     {"avx2", 1, detail::rotate_tokens_avx2, has_avx2, detail::norm_rotate_tokens_avx2,
-     &detail::kRowsAvx2},
+     &detail::kRowsAvx2, detail::angle_rows_avx2},
     {"avx512", 2, detail::rotate_tokens_avx512, has_avx512, detail::norm_rotate_tokens_avx512,
-     &detail::kRowsAvx512},
+     &detail::kRowsAvx512, detail::angle_rows_avx512},
     {"avx512_bf16", 3, detail::rotate_tokens_avx512_bf16, has_avx512_bf16,
-     detail::norm_rotate_tokens_avx512_bf16, &detail::kRowsAvx512},
+     detail::norm_rotate_tokens_avx512_bf16, &detail::kRowsAvx512, detail::angle_rows_avx512},
 };
 #elif defined(__aarch64__)
 bool always() { return true; }  // Advanced SIMD is part of every aarch64 CPU
 constexpr Isa kIsas[] = {
     {"scalar", 0, detail::rotate_tokens_scalar, always, detail::norm_rotate_tokens_scalar,
-     &detail::kRowsScalar},
+     &detail::kRowsScalar, detail::angle_rows_scalar},
     {"neon", 1, detail::rotate_tokens_neon, always, detail::norm_rotate_tokens_scalar,
-     &detail::kRowsScalar},
+     &detail::kRowsScalar, detail::angle_rows_scalar},
 };
 #else
 bool always() { return true; }
 constexpr Isa kIsas[] = {
     {"scalar", 0, detail::rotate_tokens_scalar, always, detail::norm_rotate_tokens_scalar,
-     &detail::kRowsScalar},
+     &detail::kRowsScalar, detail::angle_rows_scalar},
 };
 #endif
 constexpr int kNumIsas = int(sizeof(kIsas) / sizeof(kIsas[0]));
@@ -120,6 +126,10 @@ void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
 
 void norm_rotate_tokens(const NormParams& np, int64_t begin, int64_t end) {
   kIsas[current().load(std::memory_order_relaxed)].norm(np, begin, end);
+}
+
+int64_t angle_rows(const AngleRows& ar, int64_t begin, int64_t end) {
+  return kIsas[current().load(std::memory_order_relaxed)].angles(ar, begin, end);
 }
 
 const RowOps& row_ops() { return *kIsas[current().load(std::memory_order_relaxed)].rows; }

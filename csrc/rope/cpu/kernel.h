@@ -30,6 +30,10 @@ void norm_rotate_tokens_scalar(const NormParams& np, int64_t begin, int64_t end)
 void norm_rotate_tokens_avx2(const NormParams& np, int64_t begin, int64_t end);
 void norm_rotate_tokens_avx512(const NormParams& np, int64_t begin, int64_t end);
 void norm_rotate_tokens_avx512_bf16(const NormParams& np, int64_t begin, int64_t end);
+// The table-free rows (angle_rows_impl): portable, AVX2 and AVX-512 builds.
+int64_t angle_rows_scalar(const AngleRows& ar, int64_t begin, int64_t end);
+int64_t angle_rows_avx2(const AngleRows& ar, int64_t begin, int64_t end);
+int64_t angle_rows_avx512(const AngleRows& ar, int64_t begin, int64_t end);
 }  // namespace detail
 }  // namespace cpu
 
@@ -261,3 +265,5 @@ void rotate_tokens_unrolled(const RopeParams& p, int64_t begin, int64_t end) {
 }  // namespace host
 }  // namespace ROPE_ISA
 }  // namespace rope
+
+#include "angle_rows.h"

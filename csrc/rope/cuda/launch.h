@@ -37,5 +37,9 @@ cudaError_t launch_rerotate(const RerotateParams& p, int num_sms, cudaStream_t s
 // QK-RMSNorm + rotary (cuda/serving.cuh: norm_phase1/2) in one launch.
 cudaError_t launch_norm(const NormParams& p, int num_sms, cudaStream_t stream);
 
+// The table-free rows (cuda/angles.cuh) in one launch: every token's row of
+// ar.rows (and ar.index). A position whose angle cannot be formed gives a NaN row.
+cudaError_t launch_angle_rows(const AngleRows& ar, int num_sms, cudaStream_t stream);
+
 }  // namespace gpu
 }  // namespace rope

@@ -1,4 +1,5 @@
-"""rope_ext's own ops: in place, out of place and backward (``rope_ext.apply_rotary_qk[_]``).
+"""rope_ext's own ops: in place, out of place and backward (``rope_ext.apply_rotary_qk[_]``); ``rope_ext
+table-free`` the in-place rotation with frequencies instead of the table (each token's cos/sin computed).
 
 MRoPE presets pass ``mrope_section`` with their ``[3, T, 1]`` positions. ``rope_ext+varlen`` (packed
 workloads): ``rope_ext.varlen_positions`` then the rotation in place, timed together.
@@ -46,6 +47,20 @@ def _rope_ext_inplace(case: Case) -> Runner:
 
     def run() -> tuple[Tensor, Tensor]:
         apply(q, k, pos, cs, interleaved=il, mrope_section=sec)
+        return q, k
+
+    return run
+
+
+@provider("rope_ext table-free", "inplace")
+def _rope_ext_table_free(case: Case) -> Runner:
+    """The in-place rotation with ``cos_sin`` given as frequencies: each token's row computed in the op."""
+    q, k = clones(case)
+    pos, freqs, il, sec = case.rope_positions, case.freqs, case.interleaved, case.mrope_section
+    apply = rope_ext.apply_rotary_qk_
+
+    def run() -> tuple[Tensor, Tensor]:
+        apply(q, k, pos, freqs, interleaved=il, mrope_section=sec)
         return q, k
 
     return run
