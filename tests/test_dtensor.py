@@ -96,6 +96,9 @@ def _placements_1d(rank, world_size):
     _check_all_ops(mesh, qm, km, pm, csm, [S(1)], [S(1)], [S(2)], [S(1)], mrope_section=(4, 6, 6))
     cs16 = rope_ext.RopeCache(16, max_positions=64).cos_sin.to(DEVICE)
     _check_all_ops(mesh, q, k, pos, cs16, [S(2)], [S(2)], [R], [S(2)], rotary_offset=16, interleaved=True)
+    # frequencies instead of the table (replicated like it), float positions sharded with the tokens
+    freqs = rope_ext.RopeCache(32, max_positions=1).frequencies_on(DEVICE)
+    _check_all_ops(mesh, q, k, pos.double() / 3, freqs, [S(1)], [S(1)], [S(1)], [S(1)])
     return True
 
 

@@ -148,6 +148,25 @@ def test_same_bits_as_the_table_on_every_cpu_set():
         _set_cpu_isa(previous)
 
 
+@pytest.mark.parametrize("mil", [False, True], ids=["sections", "interleaved-sections"])
+def test_grid_positions_same_bits_as_the_table_on_every_cpu_set(mil):
+    """A (frame, row, column) grid, as video models lay tokens out: most pairs keep the previous token's
+    angle (the CPU computes only the axes that moved), and the rows are still the table's bit for bit."""
+    previous = rope_ext._cpu_isa()
+    cache = _cache(96)
+    f, r, c = torch.meshgrid(torch.arange(3), torch.arange(5), torch.arange(7), indexing="ij")
+    ids = torch.stack([f.flatten(), r.flatten(), c.flatten()])[..., None]  # [3, 105, 1]
+    q = torch.randn(105, 2, 96, dtype=torch.bfloat16)
+    kw = dict(interleaved=True, mrope_section=(16, 16, 16), mrope_interleaved=mil)
+    try:
+        for isa in _ISAS:
+            _set_cpu_isa(isa)
+            a = rope_ext.apply_rotary(q, ids, cache.cos_sin, **kw)
+            assert torch.equal(a, rope_ext.apply_rotary(q, ids, cache.frequencies_on(), **kw)), isa
+    finally:
+        _set_cpu_isa(previous)
+
+
 def _serving_inputs(g, T=9, Hq=4, Hk=2, D=64, dtype=torch.bfloat16):
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
     k = torch.randn(T, Hk, D, generator=g).to(dtype)

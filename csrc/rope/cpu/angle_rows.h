@@ -28,42 +28,59 @@ inline void angle_pairs(int n, const double* __restrict pos, const double* __res
   for (int j = 0; j < n; ++j) angle_cos_sin(pos[j], freq[j], factor[j], c[j], s[j]);
 }
 
-// Rows of tokens [begin, end): per token, each pair's position (its axis's),
-// then the cos and sin of the pairs whose position differs, bit for bit, from
-// the previous token's (the same function of the same values gives the same
-// bits): along a grid of positions (frame, row, column) most pairs carry over.
-// The pairs to compute are gathered into a dense run for the vector loop.
-// Returns the first token with a NaN in its row (no angle), or -1.
+// Rows of tokens [begin, end): per token, the cos and sin of the pairs whose
+// position differs, bit for bit, from the previous token's (the same function
+// of the same values gives the same bits): along a grid of positions (frame,
+// row, column) most pairs carry over. Pairs come in runs of one axis (one run
+// per axis for contiguous sections, one for a single position); a run whose
+// axis moved is computed whole. Many short runs (interleaved sections) are
+// gathered pair by pair into one dense run instead. Returns the first token
+// with a NaN in its row (no angle), or -1.
 template <class Pos, class R>
 int64_t angle_rows_impl(const AngleRows& ar, int64_t begin, int64_t end) {
   const RopeParams& p = ar.rope;
   const int h = p.rotary_dim / 2, n_axes = is_mrope(p) ? p.n_axes : 1;
   const size_t hs = static_cast<size_t>(h);
-  std::vector<double> buf(9 * hs);
-  double *pos = buf.data(), *last = pos + hs, *c = last + hs, *s = c + hs;
+  std::vector<double> buf(8 * hs);
+  double *pos = buf.data(), *c = pos + hs, *s = c + hs;
   double *gp = s + hs, *gf = gp + hs, *ga = gf + hs, *gc = ga + hs, *gs = gc + hs;
-  std::vector<int> axis(hs), todo(hs);
-  for (int j = 0; j < h; ++j) axis[j] = is_mrope(p) ? mrope_row(p, j) : 0;
+  std::vector<int> axis(hs), todo(hs), run_start;
+  for (int j = 0; j < h; ++j) {
+    axis[j] = is_mrope(p) ? mrope_row(p, j) : 0;
+    if (j == 0 || axis[j] != axis[j - 1]) run_start.push_back(j);
+  }
+  run_start.push_back(h);
+  const int n_runs = int(run_start.size()) - 1;
+  const bool by_runs = n_runs <= n_axes;
   const double* freq = p.freqs;
   const double* factor = p.freqs + h;
+  uint64_t last[kMaxAxes] = {};
   int64_t first_nan = -1;
   for (int64_t token = begin; token < end; ++token) {
     const int64_t off = token_offsets(p, token).pos;
     double at[kMaxAxes];
-    for (int a = 0; a < n_axes; ++a) at[a] = position_value<Pos>(p, off + a * p.pos_section_stride);
-    for (int j = 0; j < h; ++j) pos[j] = at[axis[j]];
-    int n = 0;
-    for (int j = 0; j < h; ++j)
-      if (token == begin || bits_of(pos[j]) != bits_of(last[j])) todo[n++] = j;
-    if (n == h) {
-      angle_pairs(h, pos, freq, factor, c, s);
-    } else if (n > 0) {
+    bool moved[kMaxAxes];
+    for (int a = 0; a < n_axes; ++a) {
+      at[a] = position_value<Pos>(p, off + a * p.pos_section_stride);
+      moved[a] = token == begin || bits_of(at[a]) != last[a];
+      last[a] = bits_of(at[a]);
+    }
+    if (by_runs) {
+      for (int r = 0; r < n_runs; ++r) {
+        const int j0 = run_start[r], n = run_start[r + 1] - j0, a = axis[j0];
+        if (!moved[a]) continue;
+        std::fill(pos + j0, pos + j0 + n, at[a]);
+        angle_pairs(n, pos + j0, freq + j0, factor + j0, c + j0, s + j0);
+      }
+    } else {
+      int n = 0;
+      for (int j = 0; j < h; ++j)
+        if (moved[axis[j]]) todo[n++] = j;
       for (int i = 0; i < n; ++i)
-        gp[i] = pos[todo[i]], gf[i] = freq[todo[i]], ga[i] = factor[todo[i]];
+        gp[i] = at[axis[todo[i]]], gf[i] = freq[todo[i]], ga[i] = factor[todo[i]];
       angle_pairs(n, gp, gf, ga, gc, gs);
       for (int i = 0; i < n; ++i) c[todo[i]] = gc[i], s[todo[i]] = gs[i];
     }
-    std::swap(pos, last);
     R* row = static_cast<R*>(ar.rows) + token * p.rotary_dim;
     bool nan = false;
     for (int j = 0; j < h; ++j) {
