@@ -13,6 +13,7 @@ angles in float32: at positions below 8 and frequencies up to 1 an angle is off 
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -149,3 +150,44 @@ def test_ltx_video_fractional_positions_as_a_table():
         interleaved=True,
     )
     assert _error(got.flatten(-2), want, x) <= RTOL
+
+
+def test_ltx_video_with_frequencies():
+    """LTX-Video without a table: its frequencies ``theta ** linspace(0, 1, C // 6) * pi / 2`` (float32, as
+    it computes them) per interleaved axis (pair ``j`` takes axis ``j % 3``: ``mrope_interleaved`` with three
+    equal sections), its positions ``2 * coord - 1`` as float32, the ``C % 6`` padding features passed through
+    (``rotary_offset``). Against the float64 rotation of the same frequencies and positions: within float32
+    rounding. Against diffusers' own output: within its float32 angles' error (``f * p`` rounded to float32,
+    up to ``15708 * 2^-24`` rad at the top frequency)."""
+    channels, frames, height, width = 2 * 32, 3, 4, 5
+    rope = transformer_ltx.LTXVideoRotaryPosEmbed(
+        channels, base_num_frames=20, base_height=2048, base_width=2048
+    )
+    seq, scale = frames * height * width, (8 / 25, 32, 32)
+    cos, sin = rope(torch.zeros(B, seq, channels), frames, height, width, rope_interpolation_scale=scale)
+    grid = rope._prepare_video_coords(B, frames, height, width, scale, torch.device("cpu"))  # [B, S, 3]
+    positions = (grid * 2 - 1).permute(2, 0, 1)  # [3, B, S], float32 as LTX computes them
+    n = channels // 6
+    f = 10000.0 ** torch.linspace(math.log(1.0, 10000.0), 1.0, n, dtype=torch.float32) * math.pi / 2.0
+    freqs = rope_ext.frequencies(f.double().repeat_interleave(3))  # pair 3i + a: axis a, frequency f_i
+    x = torch.randn(B, seq, channels, generator=torch.Generator().manual_seed(4))
+    pad = channels % 6
+    got = rope_ext.apply_rotary(
+        x,
+        positions,
+        freqs,
+        interleaved=True,
+        rotary_offset=pad,
+        mrope_section=(n, n, n),
+        mrope_interleaved=True,
+    )
+    angle = positions.double().permute(1, 2, 0).repeat(1, 1, n) * f.double().repeat_interleave(
+        3
+    )  # [B, S, 3n]
+    c, s = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+    xr = x[..., pad:].double()
+    real, imag = xr.unflatten(-1, (-1, 2)).unbind(-1)
+    ref = torch.cat([x[..., :pad].double(), xr * c + torch.stack([-imag, real], -1).flatten(-2) * s], -1)
+    assert _error(got.double(), ref, x) <= 2**-23
+    want = transformer_ltx.apply_rotary_emb(x, (cos, sin))
+    assert _error(got, want, x) <= 2 * 15708 * 2**-24
