@@ -162,7 +162,9 @@ def _positions_in_range(positions: Tensor, cos_sin: Tensor) -> None:
 
 def _shifts_in_range(delta: Tensor, cos_sin: Tensor) -> None:
     """As :func:`_positions_in_range`, for the shifts of ``rerotate_kv_cache_`` (``|delta|`` a table row)."""
-    if delta.numel() > 0 and not delta.is_floating_point() and _host_check(delta):
+    if cos_sin.dim() == 1:
+        _positions_in_range(delta, cos_sin)  # frequencies: any shift that gives an angle
+    elif delta.numel() > 0 and not delta.is_floating_point() and _host_check(delta):
         lo, hi = int(delta.min()), int(delta.max())
         n = cos_sin.shape[0]
         if lo <= -n or hi >= n:

@@ -270,10 +270,16 @@ def _rerotate_kv_cache(a):
         raise ValueError(f"key_cache must be 4-d, got shape {list(cache.shape)}")
     if a.slot_mapping.dtype != torch.int64:
         raise TypeError(f"slot_mapping must be an int64 tensor, got {a.slot_mapping.dtype}")
-    if a.delta.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"delta must be an int32 or int64 tensor, got {a.delta.dtype}")
+    floats = (torch.float32, torch.float64) if cos_sin.dim() == 1 else ()
+    if a.delta.dtype not in (torch.int32, torch.int64, *floats):
+        raise TypeError(
+            f"delta must be an int32 or int64 tensor (float32 or float64 with frequencies), got {a.delta.dtype}"
+        )
     torch._check(a.slot_mapping.dim() == 1, lambda: "slot_mapping must be [T]")
-    torch._check(cos_sin.dim() == 2, lambda: "cos_sin must have shape [positions, rotary_dim]")
+    torch._check(
+        cos_sin.dim() in (1, 2),
+        lambda: "cos_sin must have shape [positions, rotary_dim] (a table) or [rotary_dim] (frequencies)",
+    )
     rd, d = cos_sin.shape[-1], cache.shape[-1]
     torch._check(rd <= d, lambda: "rotary_dim must be <= head_dim")
     if not 0 <= a.rotary_offset <= d - rd:

@@ -214,6 +214,8 @@ CASES = [
     Case("rotary_qk-frequencies-float32-positions-interleaved", _rotary_qk(interleaved=True), freqs=True,
          int32=True),
     Case("rotary_qk_cache_-frequencies", _cache(), flat=True, freqs=True, extra=_cache_extra()),
+    Case("rerotate_kv_cache_-frequencies-hnd-fp8", _rerotate(fp8=True, layout="HND"), flat=True,
+         rotary_embedding=0, freqs=True, extra=_rerotate_extra("HND", fp8=True)),
     Case("qk_norm_rotary-mrope-frequencies", _qk_norm(**SECTION), axes=3, flat=True, rotary_embedding=0,
          freqs=True, extra=_weights),
 ]  # fmt: skip

@@ -207,6 +207,44 @@ def test_serving_ops_same_bits_as_the_table(emulated):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "emu"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=str)
+def test_rerotate_same_bits_as_the_table(emulated, cache_dtype):
+    """Cached keys shifted by signed deltas: each delta's own row (sin(-x) = -sin(x) bit for bit) against the
+    table's row ``|delta|`` taken inversely for a negative one; and float deltas against the float64 rotation."""
+    if emulated:
+        skip_without_emulation()
+    g = torch.Generator().manual_seed(6)
+    cache = _cache(64)
+    kc0 = (torch.randn(4, 8, 2, 64, generator=g) * 0.5).to(cache_dtype)
+    slots = torch.randperm(32, generator=g)[:12]
+    slots[3] = -1
+    delta = torch.randint(-511, 512, (12,), generator=g)
+    scale = torch.tensor([0.5]) if cache_dtype == torch.float8_e4m3fn else None
+    outs = []
+    for cs in (cache.cos_sin, cache.frequencies_on()):
+        kc = kc0.clone()
+        if emulated:
+            _ops._cuda_emulated_rerotate(kc, slots, delta, cs, scale, True, "NHD", 0, 4, False)
+        else:
+            rope_ext.rerotate_kv_cache_(kc, slots, delta, cs, interleaved=True, k_scale=scale)
+        outs.append(kc)
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+    if cache_dtype == torch.float32 and not emulated:
+        kc = kc0.clone()
+        fdelta = delta.double() / 7
+        rope_ext.rerotate_kv_cache_(kc, slots, fdelta, cache.frequencies_on(), interleaved=True)
+        rows = torch.cat(
+            [torch.cos(fdelta[:, None] * cache.inv_freq), torch.sin(fdelta[:, None] * cache.inv_freq)], -1
+        )
+        keep = slots >= 0
+        x = kc0.view(32, 2, 64)[slots[keep]]
+        ref = reference.rotary_hadamard(
+            x, torch.arange(int(keep.sum()))[:, None], rows[keep], interleaved=True
+        )
+        assert_close_to_reference(kc.view(32, 2, 64)[slots[keep]], ref, float(x.abs().max()))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fractional_positions_match_the_float64_reference(backend, dtype):
@@ -284,8 +322,10 @@ def test_argument_errors():
     for error, match, (p, cs) in cases:
         with pytest.raises(error, match=match):
             rope_ext.apply_rotary(q, p, cs)
-    with pytest.raises(ValueError, match="shape"):
-        rope_ext.rerotate_kv_cache_(torch.zeros(2, 4, 1, 64), torch.tensor([0]), 1, freqs)
+    with pytest.raises(TypeError, match="delta must be"):
+        rope_ext.rerotate_kv_cache_(
+            torch.zeros(2, 4, 1, 64), torch.tensor([0]), torch.ones(1), _cache(64).cos_sin
+        )
     for args, error in (
         ((pos, freqs), ValueError),  # positions [n, 1]
         ((pos[:, 0], freqs.float()), TypeError),

@@ -347,7 +347,9 @@ def rerotate_rows(
     h, off = rd // 2, rotary_offset
     tokens, index = _slot_rows(slots, cache, layout)
     every = op.Shape(op.Cast(slots, to=ir.DataType.INT64))  # delta: [T], or one for all
-    shift = op.Expand(op.Reshape(op.Cast(delta, to=ir.DataType.INT64), [-1]), every)
+    freqs = len(cos_sin.shape) == 1  # frequencies: the rows of the signed shifts, as they are
+    shift_type = ir.DataType.DOUBLE if freqs else ir.DataType.INT64
+    shift = op.Expand(op.Reshape(op.Cast(delta, to=shift_type), [-1]), every)
     shift = op.Gather(shift, tokens, axis=0)
     fp8 = cache.dtype in _FLOAT8
     work = ir.DataType.FLOAT if fp8 else compute_dtype(cache.dtype)
@@ -358,9 +360,10 @@ def rerotate_rows(
     x = cast(pieces[1 if off else 0], work)
     if fp8 and scale is not None:
         x = op.Mul(x, op.Reshape(cast(scale, work), _i64([])))
-    table = op.Gather(cast(cos_sin, work), op.Abs(shift), axis=0)  # [N, rd]
+    table = rows_of(cos_sin, shift if freqs else op.Abs(shift), work)  # [N, rd]
     c, s = (op.Unsqueeze(t, [1]) for t in _split(table, [0, h, rd]))  # [N, 1, h]
-    s = op.Where(op.Reshape(op.Less(shift, 0), [-1, 1, 1]), op.Neg(s), s)
+    if not freqs:
+        s = op.Where(op.Reshape(op.Less(shift, 0), [-1, 1, 1]), op.Neg(s), s)
     if interleaved:
         x1, x2 = (op.Squeeze(t, [-1]) for t in _split(op.Reshape(x, [0, 0, h, 2]), [0, 1, 2]))
     else:

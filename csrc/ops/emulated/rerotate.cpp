@@ -12,8 +12,10 @@ std::vector<int64_t> cuda_emulated_rerotate(Tensor key_cache, Tensor slot_mappin
                                             bool interleaved, std::string layout,
                                             int64_t rotary_offset, int64_t num_sms,
                                             bool force_scalar) {
-  const auto rp = make_rerotate_params(key_cache, slot_mapping, delta, cos_sin, k_scale,
-                                       interleaved, layout, rotary_offset);
+  auto rp = make_rerotate_params(key_cache, slot_mapping, delta, cos_sin, k_scale, interleaved,
+                                 layout, rotary_offset);
+  const auto rows = rp.rope.n_tokens > 0 ? bind_angle_rows(rp.rope, key_cache, emulated_angle_rows)
+                                         : std::nullopt;
   const auto l = rope::gpu::plan_rerotate_launch(rp, num_sms, force_scalar);
   if (rope::gpu::rerotate_has_work(rp, l)) {
     rope::gpu::dispatch_cuda(rp.rope, l.vectorized,
