@@ -272,9 +272,8 @@ def _rerotate_kv_cache(a):
         raise TypeError(f"slot_mapping must be an int64 tensor, got {a.slot_mapping.dtype}")
     floats = (torch.float32, torch.float64) if cos_sin.dim() == 1 else ()
     if a.delta.dtype not in (torch.int32, torch.int64, *floats):
-        raise TypeError(
-            f"delta must be an int32 or int64 tensor (float32 or float64 with frequencies), got {a.delta.dtype}"
-        )
+        kinds = "int32 or int64 tensor (float32 or float64 with frequencies)"
+        raise TypeError(f"delta must be an {kinds}, got {a.delta.dtype}")
     torch._check(a.slot_mapping.dim() == 1, lambda: "slot_mapping must be [T]")
     torch._check(
         cos_sin.dim() in (1, 2),

@@ -211,7 +211,8 @@ def test_serving_ops_same_bits_as_the_table(emulated):
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=str)
 def test_rerotate_same_bits_as_the_table(emulated, cache_dtype):
     """Cached keys shifted by signed deltas: each delta's own row (sin(-x) = -sin(x) bit for bit) against the
-    table's row ``|delta|`` taken inversely for a negative one; and float deltas against the float64 rotation."""
+    table's row ``|delta|`` taken inversely for a negative one; and float deltas against the float64
+    rotation."""
     if emulated:
         skip_without_emulation()
     g = torch.Generator().manual_seed(6)
