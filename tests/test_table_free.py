@@ -415,3 +415,30 @@ def test_hypothesis_table_free_is_the_table_of_its_own_positions(
     table_path = rope_ext.apply_rotary(x, torch.arange(tokens)[:, None], rows, interleaved=interleaved)
     assert torch.equal(rope_ext.apply_rotary(x, pos[:, None], freqs, interleaved=interleaved), table_path)
     assert math.isfinite(float(rows.abs().max()))
+
+
+def test_two_threads_each_with_their_rows():
+    """Each calling thread builds its rows in a buffer of its own: concurrent calls of different sizes from
+    two threads give each the single-threaded result."""
+    import threading
+
+    freqs = _cache(64).frequencies_on()
+    cases = []
+    for seed, tokens in ((0, 300), (1, 37)):
+        g = torch.Generator().manual_seed(seed)
+        x, pos = torch.randn(tokens, 4, 64, generator=g), torch.rand(tokens, 1, generator=g) * 1000
+        cases.append((x, pos, rope_ext.apply_rotary(x, pos, freqs)))
+    errors = []
+
+    def work(x, pos, want):
+        for _ in range(200):
+            if not torch.equal(rope_ext.apply_rotary(x, pos, freqs), want):
+                errors.append("mismatch")
+                return
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
