@@ -28,13 +28,12 @@ import rope_ext
 
 LIB = rope_ext.specs.CUDA_LIBRARY if rope_ext.specs.built_with_cuda() else None
 MAX_REGISTERS = 64
-# The serving kernels' instances still above the floor (per architecture and kernel: the most registers,
-# the largest stack frame in bytes), measured on the build; no instance may get worse. The serving kernels
-# declare their resident blocks (__launch_bounds__: 3 of 256 threads, 6 of 128), up to 85 registers and no
-# stack.
+# Per kernel, the most registers and the largest stack frame in bytes of any instance, on any
+# architecture; no instance may get worse. Only the QK norm is above the floor: it declares six resident
+# blocks of 128 threads (__launch_bounds__), up to 85 registers and no stack.
 CEILING = {
     "rotary_kernel": (64, 0),
-    "cache_kernel": (78, 0),
+    "cache_kernel": (64, 0),
     "norm_kernel": (80, 0),
     "rerotate_kernel": (64, 0),
     "angle_rows_kernel": (64, 0),  # the table-free rows: one pair per thread, no vector instance
@@ -108,7 +107,7 @@ def test_rotary_kernel_within_the_register_budget():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="cache and QK-norm kernels above 64 registers (up to 78 and 80 on sm_90, 74 and 76 on sm_80)",
+    reason="the QK-norm kernel is above 64 registers (80 on sm_90, 76 on sm_80)",
 )
 def test_every_instance_meets_the_floor():
     bad = [(a, n, r, s) for a, n, r, s in instances() if r > MAX_REGISTERS or s > 0]

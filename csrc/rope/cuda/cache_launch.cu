@@ -7,10 +7,11 @@ namespace rope {
 namespace gpu {
 namespace {
 
-// Three resident blocks of 256 threads: up to 85 registers, which every instance
-// fits without a stack frame (without the bound ptxas spills some at 64).
+// At most kMaxRegisters registers (four resident blocks of 256 threads), which every instance fits
+// without a stack frame.
 template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(256, 3) cache_kernel(const CacheParams p, const CacheLaunch l) {
+__global__ void __launch_bounds__(256, min_blocks(256))
+    cache_kernel(const CacheParams p, const CacheLaunch l) {
   cache_thread<T, CS, Pos, IL, Vec>(p, l, this_thread());
 }
 

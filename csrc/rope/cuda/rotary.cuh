@@ -326,28 +326,42 @@ inline bool has_work(const RopeParams& p, const Launch& l) {
   return p.n_tokens > 0 && heads > 0 && l.n_rot_units + l.n_pass_units > 0;
 }
 
+// A table value as C: the accumulator type (converted), or the table's own type (kept packed,
+// converted where it is used: 16-bit cos/sin held as loaded take half the registers).
+template <class C, class CS>
+ROPE_HD C table_value(CS v) {
+  if constexpr (std::is_same_v<C, CS>)
+    return v;
+  else
+    return C(to_acc(v));
+}
+ROPE_HD float negated(float v) { return -v; }
+ROPE_HD double negated(double v) { return -v; }
+ROPE_HD Half negated(Half v) { return Half{uint16_t(v.bits ^ 0x8000u)}; }
+ROPE_HD BFloat16 negated(BFloat16 v) { return BFloat16{uint16_t(v.bits ^ 0x8000u)}; }
+
 // cos and sin (sin negated when `inverse`) of pairs [j0, j0 + P) from row
 // `row` (in the cache) of the table.
-template <class CS, bool Vectorized, class A, int P>
-ROPE_HD void row_cos_sin(const RopeParams& p, int64_t row, int64_t j0, bool inverse, A (&cv)[P],
-                         A (&sv)[P]) {
+template <class CS, bool Vectorized, class C, int P>
+ROPE_HD void row_cos_sin(const RopeParams& p, int64_t row, int64_t j0, bool inverse, C (&cv)[P],
+                         C (&sv)[P]) {
   const CS* r = static_cast<const CS*>(p.cos_sin) + row * p.cs_row_stride;
   CS cr[P], sr[P];
   load_n<Vectorized, CS, P, true>(r + j0, cr);
   load_n<Vectorized, CS, P, true>(r + p.rotary_dim / 2 + j0, sr);
   ROPE_UNROLL
   for (int k = 0; k < P; ++k) {
-    cv[k] = A(to_acc(cr[k]));
-    sv[k] = inverse ? -A(to_acc(sr[k])) : A(to_acc(sr[k]));
+    cv[k] = table_value<C>(cr[k]);
+    sv[k] = table_value<C>(inverse ? negated(sr[k]) : sr[k]);
   }
 }
 
 // cos and sin (sin negated when p.inverse) of pairs [j0, j0 + P) for the
 // token whose positions start at offset pos_off; NaN for a position outside
 // the cache (never read).
-template <class CS, class Pos, bool Vectorized, class A, int P>
-ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&cv)[P],
-                          A (&sv)[P]) {
+template <class CS, class Pos, bool Vectorized, class C, int P>
+ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, C (&cv)[P],
+                          C (&sv)[P]) {
   const int64_t h = p.rotary_dim / 2;
   const CS* cs = static_cast<const CS*>(p.cos_sin);
   if (is_mrope(p)) {
@@ -360,11 +374,10 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
         const CS* row = cs + pos * p.cs_row_stride;
         note_read(row + j, sizeof(CS));
         note_read(row + h + j, sizeof(CS));
-        cv[k] = A(to_acc(row[j]));
-        const A s = A(to_acc(row[h + j]));
-        sv[k] = p.inverse ? -s : s;
+        cv[k] = table_value<C>(row[j]);
+        sv[k] = table_value<C>(p.inverse ? negated(row[h + j]) : row[h + j]);
       } else {
-        cv[k] = sv[k] = A(NAN);
+        cv[k] = sv[k] = Store<C>::from(NAN);
       }
     }
     return;
@@ -375,21 +388,23 @@ ROPE_HD void unit_cos_sin(const RopeParams& p, int64_t pos_off, int64_t j0, A (&
   } else {
     // Never read outside the cache: this token's rotated features are NaN.
     ROPE_UNROLL
-    for (int k = 0; k < P; ++k) cv[k] = sv[k] = A(NAN);
+    for (int k = 0; k < P; ++k) cv[k] = sv[k] = Store<C>::from(NAN);
   }
 }
 
 // One unit of P interleaved pairs from pair j0 of a head's rotary part `in`:
 // y[2k], y[2k + 1] are pair j0 + k rotated by (cv[k], sv[k]).
-template <bool Vectorized, class T, class A, int P>
-ROPE_HD void rotate_unit(const T* in, int64_t j0, const A (&cv)[P], const A (&sv)[P],
+template <bool Vectorized, class T, class C, int P>
+ROPE_HD void rotate_unit(const T* in, int64_t j0, const C (&cv)[P], const C (&sv)[P],
                          T (&y)[2 * P]) {
+  using A = typename Acc<T>::type;
   T x[2 * P];
   load_n<Vectorized>(in + 2 * j0, x);
   ROPE_UNROLL
   for (int k = 0; k < P; ++k) {
     A y1, y2;
-    rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), cv[k], sv[k], y1, y2);
+    rotate_pair<A>(to_acc(x[2 * k]), to_acc(x[2 * k + 1]), A(to_acc(cv[k])), A(to_acc(sv[k])), y1,
+                   y2);
     y[2 * k] = Store<T>::from(y1);
     y[2 * k + 1] = Store<T>::from(y2);
   }
@@ -397,16 +412,17 @@ ROPE_HD void rotate_unit(const T* in, int64_t j0, const A (&cv)[P], const A (&sv
 
 // One unit of P half-split pairs from pair j0 (features j0 + k and h + j0 + k
 // of a head's rotary part `in`): y1[k], y2[k] are pair j0 + k rotated.
-template <bool Vectorized, class T, class A, int P>
-ROPE_HD void rotate_unit(const T* in, int64_t h, int64_t j0, const A (&cv)[P], const A (&sv)[P],
+template <bool Vectorized, class T, class C, int P>
+ROPE_HD void rotate_unit(const T* in, int64_t h, int64_t j0, const C (&cv)[P], const C (&sv)[P],
                          T (&y1)[P], T (&y2)[P]) {
+  using A = typename Acc<T>::type;
   T x1[P], x2[P];
   load_n<Vectorized>(in + j0, x1);
   load_n<Vectorized>(in + h + j0, x2);
   ROPE_UNROLL
   for (int k = 0; k < P; ++k) {
     A a, b;
-    rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), cv[k], sv[k], a, b);
+    rotate_pair<A>(to_acc(x1[k]), to_acc(x2[k]), A(to_acc(cv[k])), A(to_acc(sv[k])), a, b);
     y1[k] = Store<T>::from(a);
     y2[k] = Store<T>::from(b);
   }

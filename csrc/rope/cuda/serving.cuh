@@ -203,11 +203,11 @@ ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Co
         }
         // The unit's cos/sin, read per head (from L1 after the first head): kept across heads, as
         // the rotary kernel does, they would not fit in the registers beside the cache's state.
-        A cv[P], sv[P];
+        CS cv[P], sv[P];  // as stored: 16-bit values stay packed
         unit_cos_sin<CS, Pos, Vectorized>(p, o.pos, j0, cv, sv);
         if (ti == 0 && cp.q_inverse) {
           ROPE_UNROLL
-          for (int k = 0; k < P; ++k) sv[k] = -sv[k];
+          for (int k = 0; k < P; ++k) sv[k] = negated(sv[k]);
         }
         if (Interleaved) {
           constexpr bool VecPairs = Vectorized && (2 * P == V);
@@ -403,7 +403,7 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, NormAt item,
     const int64_t j0 = u * P;
     T x[2 * P];
     load_pairs<Interleaved, Vectorized>(it.in + r0, h, j0, x);
-    A cv[P], sv[P];
+    CS cv[P], sv[P];  // as stored: 16-bit values stay packed
     unit_cos_sin<CS, Pos, Vectorized>(p, it.pos, j0, cv, sv);
     T y[2 * P];
     ROPE_UNROLL
@@ -414,7 +414,8 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, NormAt item,
       const int64_t f2 = Interleaved ? f1 + 1 : f1 + h;
       A y1, y2;
       rotate_pair<A>(normed<T>(np, it.ti, A(to_acc(x[k])), rms, f1),
-                     normed<T>(np, it.ti, A(to_acc(x[P + k])), rms, f2), cv[k], sv[k], y1, y2);
+                     normed<T>(np, it.ti, A(to_acc(x[P + k])), rms, f2), A(to_acc(cv[k])),
+                     A(to_acc(sv[k])), y1, y2);
       y[i1] = Store<T>::from(y1);
       y[i2] = Store<T>::from(y2);
     }
