@@ -1,4 +1,5 @@
 // Test support: the CUDA body of qk_norm_rotary run on the CPU, warp by warp (see rotary.cpp).
+#include <algorithm>
 #include <vector>
 
 #include "emulated.h"
@@ -38,27 +39,30 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
           const int64_t group = l.group;
           // One unit per warp of the grid; its lanes run phase by phase, as the GPU's
           // __syncwarp() orders them. A lane's thread is (warp * kWarp + lane); each group of
-          // lanes carries its items' (token, head) in a cursor, as the kernel's threads do.
+          // lanes carries its items' (token, head) in a cursor, as the kernel's threads do, and
+          // the warp stops when no group has an item left.
           auto warp = [&](int64_t wi, AccessRecorder& log) {
             const int64_t bx = wi / kWarps, wy = wi % kWarps;
-            const int64_t w0 = bx * kWarps + wy, dw = l.grid_x * kWarps, per_warp = kWarp / group;
+            const int64_t w0 = bx * kWarps + wy, per_warp = kWarp / group;
             std::vector<rope::gpu::NormAt> at;
             for (int64_t g = 0; g < per_warp; ++g)
               at.push_back(rope::gpu::norm_at(l, w0 * per_warp + g));
-            for (int64_t w = w0; w < l.n_warp_items; w += dw) {
+            const auto on = [&](int64_t g) { return at[g].token < np.rope.n_tokens; };
+            while (std::any_of(at.begin(), at.end(),
+                               [&](const auto& a) { return a.token < np.rope.n_tokens; })) {
               A partial[kWarp];
               for (int lane = 0; lane < kWarp; ++lane) {
                 log.thread = wi * kWarp + lane;
-                const int64_t g = lane / group, item = w * per_warp + g;
-                partial[lane] = item < l.n_items ? rope::gpu::norm_phase1<T, CS, Pos, IL, Vec>(
-                                                       np, l, at[g], int(lane % group))
-                                                 : A(0);
+                const int64_t g = lane / group;
+                partial[lane] = on(g) ? rope::gpu::norm_phase1<T, CS, Pos, IL, Vec>(
+                                            np, l, at[g], int(lane % group))
+                                      : A(0);
               }
               for (int lane = 0; lane < kWarp; ++lane) {
                 log.thread = wi * kWarp + lane;
-                const int64_t g = lane / group, item = w * per_warp + g;
+                const int64_t g = lane / group;
                 const A total = rope::gpu::group_total(partial + g * group, group);
-                if (item < l.n_items)
+                if (on(g))
                   rope::gpu::norm_phase2<T, CS, Pos, IL, Vec>(np, l, at[g], int(lane % group),
                                                               total);
               }

@@ -7,21 +7,22 @@ namespace rope {
 namespace gpu {
 namespace {
 
-// Six resident blocks of 128 threads: up to 85 registers, no stack frame.
+// At most kMaxRegisters registers (eight resident blocks of 128 threads), no stack frame.
 template <class T, class CS, class Pos, bool IL, bool Vec>
-__global__ void __launch_bounds__(kWarp* kNormWarps, 6)
+__global__ void __launch_bounds__(kWarp* kNormWarps, min_blocks(kWarp* kNormWarps))
     norm_kernel(const NormParams p, const NormLaunch l) {
   using A = typename Acc<T>::type;
   __shared__ A partial[kNormWarps][kWarp];
   const int lane = int(threadIdx.x), warp = int(threadIdx.y);
   const int group = int(l.group), g = lane / group;
-  // Warp-uniform loop: the warp's groups work on items w * (kWarp / group) + g; the cursor carries
-  // each item's (token, head) to the next without a division.
-  const int64_t w0 = int64_t(blockIdx.x) * kNormWarps + warp, dw = int64_t(gridDim.x) * kNormWarps;
-  const int64_t per_warp = kWarp / group;
-  NormAt at = norm_at(l, w0 * per_warp + g);
-  for (int64_t w = w0; w < l.n_warp_items; w += dw, next_item(l, at)) {  // per head
-    const bool on = w * per_warp + g < l.n_items;
+  // The warp's groups work on items w * (kWarp / group) + g, w from the warp's index on in steps of
+  // the grid's warps; the cursor carries each item's (token, head) to the next without a division.
+  // Items grow with w: the warp stops when none of its lanes has one.
+  const int64_t w0 = int64_t(blockIdx.x) * kNormWarps + warp;
+  NormAt at = norm_at(l, w0 * (kWarp / group) + g);
+  for (;; next_item(l, at)) {  // per head
+    const bool on = at.token < p.rope.n_tokens;
+    if (!__any_sync(0xffffffffu, on)) break;
     partial[warp][lane] = on ? norm_phase1<T, CS, Pos, IL, Vec>(p, l, at, lane % group) : A(0);
     __syncwarp();
     const A total = group_total(&partial[warp][g * group], group);

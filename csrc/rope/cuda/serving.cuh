@@ -247,7 +247,7 @@ constexpr int kNormWarps = 4;  // warps per block
 struct NormLaunch {
   int64_t grid_x;        // blocks of kWarp x kNormWarps threads, striding over the warps' items
   int64_t n_items;       // n_tokens * (q heads + k heads)
-  int64_t n_warp_items;  // warp iterations: n_items / (kWarp / group), rounded up
+  int64_t n_warp_items;  // warps of items: n_items / (kWarp / group), rounded up
   int64_t n_rot_units, n_pass_units;
   int64_t group;  // lanes per item: the power of two >= units per head, at most kWarp
   // A thread's next item is grid_x * kNormWarps * (kWarp / group) further: step_tokens tokens and
@@ -378,8 +378,8 @@ ROPE_HD A group_total(const A* partial, int64_t group) {
 
 // x * rms * (w[f] + weight_offset), rounded to T (the norm's output), as A.
 template <class T, class A>
-ROPE_HD A normed(const NormParams& np, int ti, A x, A rms, int64_t f) {
-  note_read(static_cast<const char*>(np.weight[ti]) + f * dtype_size(np.w_dtype[ti]),
+ROPE_HD A normed(const NormParams& np, int ti, A x, A rms, int f) {
+  note_read(static_cast<const char*>(np.weight[ti]) + int64_t(f) * dtype_size(np.w_dtype[ti]),
             size_t(dtype_size(np.w_dtype[ti])));
   const A w = load_weight<A>(np.weight[ti], np.w_dtype[ti], f) + A(np.weight_offset);
   return A(to_acc(Store<T>::from(x * rms * w)));
@@ -395,23 +395,23 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, NormAt item,
   const RopeParams& p = np.rope;
   constexpr int V = vec_width<T, Vectorized>();
   constexpr int P = pairs_per_unit<T, Interleaved, Vectorized>();
-  const int64_t h = p.rotary_dim / 2;
+  // Feature indices in int: a head has at most kMaxNormHeadDim features.
+  const int h = p.rotary_dim / 2, r0 = p.rot_offset, group = int(l.group);
   const NormItem<T> it = norm_item<T>(np, item);
   const A rms = rms_inverse<A>(total, p.head_dim, np.eps);
-  const int64_t r0 = p.rot_offset;
-  for (int64_t u = gl; u < l.n_rot_units; u += l.group) {
-    const int64_t j0 = u * P;
-    T x[2 * P];
-    load_pairs<Interleaved, Vectorized>(it.in + r0, h, j0, x);
+  for (int u = gl; u < int(l.n_rot_units); u += group) {
+    const int j0 = u * P;
     CS cv[P], sv[P];  // as stored: 16-bit values stay packed
     unit_cos_sin<CS, Pos, Vectorized>(p, it.pos, j0, cv, sv);
+    T x[2 * P];
+    load_pairs<Interleaved, Vectorized>(it.in + r0, h, j0, x);
     T y[2 * P];
     ROPE_UNROLL
     for (int k = 0; k < P; ++k) {
       // Features of pair j0 + k: (2j, 2j + 1) interleaved, (j, j + h) half-split.
       const int i1 = Interleaved ? 2 * k : k, i2 = Interleaved ? 2 * k + 1 : P + k;
-      const int64_t f1 = Interleaved ? r0 + 2 * (j0 + k) : r0 + j0 + k;
-      const int64_t f2 = Interleaved ? f1 + 1 : f1 + h;
+      const int f1 = Interleaved ? r0 + 2 * (j0 + k) : r0 + j0 + k;
+      const int f2 = Interleaved ? f1 + 1 : f1 + h;
       A y1, y2;
       rotate_pair<A>(normed<T>(np, it.ti, A(to_acc(x[k])), rms, f1),
                      normed<T>(np, it.ti, A(to_acc(x[P + k])), rms, f2), A(to_acc(cv[k])),
@@ -429,9 +429,9 @@ ROPE_HD void norm_phase2(const NormParams& np, const NormLaunch& l, NormAt item,
       store_n<Vectorized>(it.out + r0 + h + j0, y2);
     }
   }
-  for (int64_t u = gl; u < l.n_pass_units; u += l.group) {
-    const int64_t f = u * V;
-    const int64_t e = f < p.rot_offset ? f : f + p.rotary_dim;
+  for (int u = gl; u < int(l.n_pass_units); u += group) {
+    const int f = u * V;
+    const int e = f < r0 ? f : f + p.rotary_dim;
     T x[V], y[V];
     load_n<Vectorized>(it.in + e, x);
     ROPE_UNROLL
