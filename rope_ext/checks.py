@@ -133,6 +133,29 @@ def _sections(mrope_section) -> list[int] | None:
     return list(mrope_section)
 
 
+# How several position axes share a head's pairs (the ops' ``mrope_interleaved``), by name: contiguous
+# sections (Qwen2-VL), interleaved (Qwen3-VL), alternating (ERNIE-4.5-VL; reference.mrope_rows).
+AXIS_LAYOUTS = {"contiguous": 0, "interleaved": 1, "alternating": 2}
+
+
+def axis_layout(value) -> bool | int:
+    """``mrope_interleaved`` as the op takes it: a bool or an int as given (the op checks its range), None
+    as False, a layout name as its code (:data:`AXIS_LAYOUTS`)."""
+    if type(value) in (bool, int):
+        return value
+    if value is None:
+        return False
+    if isinstance(value, str):
+        if value not in AXIS_LAYOUTS:
+            raise ValueError(
+                f"mrope_interleaved must be a bool or one of {sorted(AXIS_LAYOUTS)}, got {value!r}"
+            )
+        return AXIS_LAYOUTS[value]
+    raise TypeError(
+        f"mrope_interleaved must be a bool or one of {sorted(AXIS_LAYOUTS)}, got {type(value).__name__}"
+    )
+
+
 def _host_check(t: Tensor) -> bool:
     """Whether an eager check of device tensor ``t`` may synchronise: not on the CPU (the ops check there),
     not while compiling, not while the current CUDA stream is capturing a graph (a synchronisation would
@@ -289,8 +312,10 @@ def split_qkv(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int)
 def rotary_args(a):
     """``rotary``, ``rotary_qk``, ``rotary_qk_``."""
     _require_offset(a.rotary_offset)
-    if a.mrope_section is not None:
-        a = a._replace(mrope_section=_sections(a.mrope_section))
+    if a.mrope_section is not None or type(a.mrope_interleaved) is not bool:
+        a = a._replace(
+            mrope_section=_sections(a.mrope_section), mrope_interleaved=axis_layout(a.mrope_interleaved)
+        )
     if position_checks.on_device:
         _positions_in_range(a.positions, a.cos_sin)
     return a
@@ -301,8 +326,10 @@ def cache_args(a):
     _require_offset(a.rotary_offset)
     if not isinstance(a.layout, str):
         raise TypeError(f"layout must be 'NHD' or 'HND', got {type(a.layout).__name__}")
-    if a.mrope_section is not None:
-        a = a._replace(mrope_section=_sections(a.mrope_section))
+    if a.mrope_section is not None or type(a.mrope_interleaved) is not bool:
+        a = a._replace(
+            mrope_section=_sections(a.mrope_section), mrope_interleaved=axis_layout(a.mrope_interleaved)
+        )
     _no_grad_wanted(
         "apply_rotary_qk_and_cache_",
         q=a.q, k=a.k, v=a.v, q_out=a.q_out, key_cache=a.key_cache, value_cache=a.value_cache,
@@ -356,9 +383,16 @@ def qk_norm_args(a):
     _require_offset(a.rotary_offset)
     _require_float("eps", a.eps)
     _require_float("weight_offset", a.weight_offset)
-    if not (type(a.eps) is type(a.weight_offset) is float and a.mrope_section is None):
+    if not (
+        type(a.eps) is type(a.weight_offset) is float
+        and a.mrope_section is None
+        and type(a.mrope_interleaved) is bool
+    ):
         a = a._replace(
-            eps=float(a.eps), weight_offset=float(a.weight_offset), mrope_section=_sections(a.mrope_section)
+            eps=float(a.eps),
+            weight_offset=float(a.weight_offset),
+            mrope_section=_sections(a.mrope_section),
+            mrope_interleaved=axis_layout(a.mrope_interleaved),
         )
     if position_checks.on_device:
         _positions_in_range(a.positions, a.cos_sin)

@@ -149,10 +149,14 @@ def default_table_lengths(config: Any, scaling: Mapping[str, Any]) -> tuple[int,
     return positions, positions
 
 
-def parse_mrope(config: Any, *, layer_type: str | None = None) -> tuple[tuple[int, int, int] | None, bool]:
-    """``(mrope_section, mrope_interleaved)`` of a transformers config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL):
-    read from ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x), through ``text_config`` when the config
-    has no head size of its own; ``(None, False)`` when the model has no MRoPE."""
+def parse_mrope(
+    config: Any, *, layer_type: str | None = None
+) -> tuple[tuple[int, int, int] | None, bool | str]:
+    """``(mrope_section, mrope_interleaved)`` of a transformers config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+    ERNIE-4.5-VL): read from ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x), through ``text_config``
+    when the config has no head size of its own; ``(None, False)`` when the model has no MRoPE. ERNIE-4.5-VL
+    lists its sections as (height, width, temporal) and alternates height and width pair by pair: its
+    ``(h, w, t)`` becomes ``((t, h, w), "alternating")``."""
     get = _getter(config)
     if get("head_dim") is None and get("hidden_size") is None and get("text_config") is not None:
         return parse_mrope(get("text_config"), layer_type=layer_type)
@@ -166,4 +170,6 @@ def parse_mrope(config: Any, *, layer_type: str | None = None) -> tuple[tuple[in
         return None, False
     if len(section) != 3 or not all(isinstance(v, int) and v >= 0 for v in section):
         raise ValueError(f"'mrope_section' must be 3 non-negative ints, got {section!r}")
+    if "ernie4_5_vl" in str(get("model_type") or ""):
+        return (section[2], section[0], section[1]), "alternating"
     return tuple(section), bool(params.get("mrope_interleaved", False))

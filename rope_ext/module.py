@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ._tables import DeviceTables
 from .cache import RopeCache
+from .checks import axis_layout
 from .ops import apply_rotary_qk, apply_rotary_qk_
 
 __all__ = ["RotaryEmbedding"]
@@ -58,7 +59,7 @@ class RotaryEmbedding(nn.Module):
         interleaved: bool = False,
         max_positions: int = 2048,
         mrope_section: tuple[int, ...] | None = None,
-        mrope_interleaved: bool = False,
+        mrope_interleaved: bool | str = False,
     ) -> None:
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -75,7 +76,7 @@ class RotaryEmbedding(nn.Module):
                 f"got {mrope_section!r}"
             )
         self.mrope_section = None if mrope_section is None else tuple(mrope_section)
-        self.mrope_interleaved = bool(mrope_interleaved)
+        self.mrope_interleaved = axis_layout(mrope_interleaved)
         self.cache = RopeCache(rotary_dim, base, max_positions=max_positions, scaling=scaling)
         self._device_tables = DeviceTables(self.cache)
 

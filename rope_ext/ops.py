@@ -76,7 +76,7 @@ def apply_rotary(
     inverse: bool = False,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
-    mrope_interleaved: bool = False,
+    mrope_interleaved: bool | str = False,
 ) -> Tensor:
     """Rotate ``x [..., head_dim]`` by the angles of ``cos_sin[positions]``; returns a new tensor.
 
@@ -92,10 +92,15 @@ def apply_rotary(
     ``x.shape[:-1]``) and pair ``j`` takes the position of its section: ``positions[0]`` for ``j < t``,
     ``positions[1]`` for ``t <= j < t + h``, ``positions[2]`` after; with ``mrope_interleaved=True``
     (Qwen3-VL) pair ``j`` takes ``positions[1]`` when ``j % 3 == 1 and j < 3 h``, ``positions[2]`` when
-    ``j % 3 == 2 and j < 3 w``, else ``positions[0]``. Any number of axes (1 to 8; 2-D vision, 3-D video):
+    ``j % 3 == 2 and j < 3 w``, else ``positions[0]``; with ``mrope_interleaved="alternating"``
+    (ERNIE-4.5-VL, ``h == w``) pair ``j`` takes ``positions[1]`` for even ``j < 2 h``, ``positions[2]`` for
+    odd ``j < 2 h``, else ``positions[0]``. Any number of axes (1 to 8; 2-D vision, 3-D video):
     ``mrope_section`` holds the pairs of each, ``positions`` is ``[len(mrope_section), ...]``; contiguous
     sections are runs of pairs in axis order, interleaved ones (``n`` axes) put pair ``j`` on axis
-    ``j % n`` while ``j < n * mrope_section[j % n]``, else on axis 0 (``reference.mrope_rows``).
+    ``j % n`` while ``j < n * mrope_section[j % n]``, else on axis 0, alternating ones on axis
+    ``1 + j % (n - 1)`` while ``j < (n - 1) * mrope_section[1]``, else on axis 0 (``reference.mrope_rows``).
+    ``mrope_interleaved`` is a bool, a layout name (``"contiguous"``, ``"interleaved"``, ``"alternating"``)
+    or the op's code for it (0, 1, 2).
     Differentiable in ``x`` (the gradient is the inverse rotation); ``positions`` and ``cos_sin``
     get no gradient.
     """
@@ -114,7 +119,7 @@ def apply_rotary_qk(
     inverse: bool = False,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
-    mrope_interleaved: bool = False,
+    mrope_interleaved: bool | str = False,
 ) -> tuple[Tensor, Tensor]:
     """Rotate ``q`` and ``k`` (same rank and head_dim, head counts may differ) in one launch.
 
@@ -135,7 +140,7 @@ def apply_rotary_qk_(
     inverse: bool = False,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
-    mrope_interleaved: bool = False,
+    mrope_interleaved: bool | str = False,
 ) -> None:
     """Rotate ``q`` and ``k`` in place (``k`` may be None); no allocation, CUDA-graph safe. ``inverse``
     rotates by the negative angle (DeepSeek-V4-style output rotation; :func:`apply_rotary`).
@@ -157,6 +162,7 @@ def apply_rotary_qk_(
         and (k is None or (type(k) is Tensor and not k.requires_grad))
         and type(rotary_offset) is int
         and (mrope_section is None or _int_list(mrope_section))
+        and type(mrope_interleaved) in (bool, int)
         and not position_checks.on_device
         and not _is_compiling()
     ):

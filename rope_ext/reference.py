@@ -52,15 +52,23 @@ def cos_sin_table(n_positions: int, rotary_dim: int, base: float = 10000.0) -> T
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def mrope_rows(half: int, mrope_section, mrope_interleaved: bool = False) -> Tensor:
+def mrope_rows(half: int, mrope_section, mrope_interleaved: bool | int | str = False) -> Tensor:
     """Several position axes (MRoPE: 0 temporal, 1 height, 2 width): the axis whose position rotates each of
     the ``half`` pairs, int64 ``[half]``. Contiguous sections (Qwen2-VL, FLUX): ``mrope_section[0]`` pairs
-    of axis 0, then ``mrope_section[1]`` of axis 1, and so on. Interleaved (Qwen3-VL; ``n`` axes): pair
-    ``j`` takes axis ``a = j % n`` when ``a > 0 and j < n * mrope_section[a]``, else axis 0 (with 3 axes:
-    height when ``j % 3 == 1 and j < 3 h``, width when ``j % 3 == 2 and j < 3 w``, else temporal)."""
+    of axis 0, then ``mrope_section[1]`` of axis 1, and so on. Interleaved (``True``, Qwen3-VL; ``n``
+    axes): pair ``j`` takes axis ``a = j % n`` when ``a > 0 and j < n * mrope_section[a]``, else axis 0
+    (with 3 axes: height when ``j % 3 == 1 and j < 3 h``, width when ``j % 3 == 2 and j < 3 w``, else
+    temporal). Alternating (``"alternating"`` or 2, ERNIE-4.5-VL; ``mrope_section[1:]`` equal): axes
+    ``1 .. n-1`` take turns from pair 0, pair ``j`` on axis ``1 + j % (n - 1)`` while
+    ``j < (n - 1) * mrope_section[1]``, then axis 0 (with 3 axes: height, width, height, .., then
+    temporal)."""
+    layout = {"contiguous": 0, "interleaved": 1, "alternating": 2}.get(mrope_interleaved, mrope_interleaved)
     n = len(mrope_section)
     j = torch.arange(half)
-    if mrope_interleaved:
+    if layout == 2:
+        m = n - 1
+        return torch.where(j < m * mrope_section[1], 1 + j % m, 0)
+    if layout:
         rows = torch.zeros(half, dtype=torch.long)
         for a in range(1, n):
             rows[(j % n == a) & (j < n * mrope_section[a])] = a

@@ -57,7 +57,7 @@ def apply_rotary_qk_and_cache_(
     q_scale: Tensor | None = None,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
-    mrope_interleaved: bool = False,
+    mrope_interleaved: bool | str = False,
     inverse: bool = False,
     page_table: Sequence[Tensor | None] | None = None,
 ) -> None:
@@ -110,6 +110,7 @@ def apply_rotary_qk_and_cache_(
         and type(layout) is str
         and positions.dim() == 1
         and mrope_section is None
+        and type(mrope_interleaved) in (bool, int)
         and not mrope_interleaved
         and type(rotary_offset) is int
         and not (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -274,7 +275,7 @@ def apply_qk_norm_rotary_(
     weight_offset: float = 0.0,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
-    mrope_interleaved: bool = False,
+    mrope_interleaved: bool | str = False,
 ) -> None:
     """Per-head QK RMSNorm then rotary, in place on a packed ``qkv [T, (Hq+Hk+Hv)*D]``.
 
@@ -296,6 +297,7 @@ def apply_qk_norm_rotary_(
         and type(eps) is float
         and type(weight_offset) in (float, int)
         and mrope_section is None
+        and type(mrope_interleaved) in (bool, int)
         and not mrope_interleaved
         and type(rotary_offset) is int
         and not (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad)
@@ -348,7 +350,7 @@ def apply_qk_norm_rotary(
     weight_offset: float = 0.0,
     rotary_offset: int = 0,
     mrope_section: Sequence[int] | None = None,
-    mrope_interleaved: bool = False,
+    mrope_interleaved: bool | str = False,
 ) -> tuple[Tensor, Tensor]:
     """QK RMSNorm then rotary, out of place: returns new ``(q', k')`` of q's and k's shapes.
 

@@ -23,6 +23,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from rope_ext.checks import axis_layout
+
 _COMMON = dict(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -128,7 +130,7 @@ class Case:
     notes: dict = field(default_factory=dict)
     rotary_offset: int = 0  # features [rotary_offset, rotary_offset + rotary_dim) rotate
     mrope_section: tuple[int, int, int] | None = None  # positions then carry a leading dim of 3
-    mrope_interleaved: bool = False
+    mrope_interleaved: bool | str = False
 
     def rope_kwargs(self) -> dict:
         """The keyword arguments of the public ops (and the reference) besides the pairing."""
@@ -141,7 +143,7 @@ class Case:
     def op_tail(self) -> tuple:
         """The registered ops' trailing arguments: rotary_offset, mrope_section, mrope_interleaved."""
         sec = None if self.mrope_section is None else list(self.mrope_section)
-        return (self.rotary_offset, sec, self.mrope_interleaved)
+        return (self.rotary_offset, sec, axis_layout(self.mrope_interleaved))
 
     def with_k(self, k: View) -> Case:
         """This case with a k (in its own buffer)."""
@@ -247,10 +249,14 @@ def cases(draw, *, qk: bool, inplace: bool, aligned: bool = False, emulated_out:
     mrope_interleaved = False
     if draw(st.integers(0, 2)) == 0:
         half = rotary_dim // 2
-        t = draw(st.integers(0, half))
-        h = draw(st.integers(0, half - t))
-        mrope_section = (t, h, half - t - h)
-        mrope_interleaved = draw(st.booleans())
+        mrope_interleaved = draw(st.sampled_from([False, True, "alternating"]))
+        if mrope_interleaved == "alternating":  # height and width take turns: as many pairs each
+            h = draw(st.integers(0, half // 2))
+            mrope_section = (half - 2 * h, h, h)
+        else:
+            t = draw(st.integers(0, half))
+            h = draw(st.integers(0, half - t))
+            mrope_section = (t, h, half - t - h)
         pos_shape = [3, *pos_shape]
     pos = draw(views(tuple(pos_shape), contiguous_last=False, expand=True))
     out = out_k = None

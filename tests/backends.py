@@ -17,6 +17,7 @@ import torch
 from _helpers import HAS_CUDA, skip_without_emulation
 
 import rope_ext
+from rope_ext.checks import axis_layout
 
 BACKENDS = ["cpu", "cuda", "emu-tokens", "emu-heads", "emu-scalar"]
 EMULATION = {"emu-tokens": (1, False), "emu-heads": (100_000, False), "emu-scalar": (4, True)}
@@ -65,7 +66,7 @@ def emulate(
         scalar,
         rotary_offset,
         sec,
-        mrope_interleaved,
+        axis_layout(mrope_interleaved),
     )
     return q_out, k_out, launch
 

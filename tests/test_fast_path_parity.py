@@ -132,7 +132,10 @@ SECTION_VALUES = [
     ("len-9", (1,) * 9), ("empty", ()), ("neg", (3, 2, -1)), ("huge", (2**63 - 1, 1, 1)),
     ("overflow", (2**63, 1, 1)), ("float", (2, 1, 1.0)),
 ]  # fmt: skip
-MROPE_INTERLEAVED = [V("F", False), V("T", True), V("0", 0), V("None", None)]
+MROPE_INTERLEAVED = [
+    V("F", False), V("T", True), V("0", 0), V("None", None, fast=False),
+    V("alternating", "alternating", fast=False),
+]  # fmt: skip
 # A tensor argument passed as a list instead (the guards check the types of some of them).
 NOT_TENSOR = [V("tensors", None), V("cos_sin", "cos_sin"), V("positions", "positions", fast=False)]
 
@@ -187,7 +190,12 @@ def test_apply_rotary_qk_(monkeypatch):
 
 SERVING_MROPE = {
     "mrope_section": [V(label, s, fast=s is None) for label, s in SECTION_VALUES],
-    "mrope_interleaved": [V(v.label, v.value, fast=not v.value) for v in MROPE_INTERLEAVED],
+    # (a layout name never takes the fast path: the rotary family's crossing has it)
+    "mrope_interleaved": [
+        V(v.label, v.value, fast=v.fast and not v.value)
+        for v in MROPE_INTERLEAVED
+        if type(v.value) is not str
+    ],
     "positions": [V("[T]", _POS), V("[T,1]", _POS[:, None], fast=False), V("[3,T]", _MROPE_POS, fast=False)],
 }
 

@@ -188,6 +188,8 @@ CASES = [
          rotary_embedding=0),
     Case("rotary_qk-4-axes", _rotary_qk(mrope_section=(1, 3, 2, 2), mrope_interleaved=True), axes=4,
          rotary_embedding=0),
+    Case("rotary_qk_-mrope-alternating", _rotary_qk_(mrope_interleaved=2, **SECTION), axes=3,
+         rotary_embedding=0),
     Case("qk_norm_rotary", _qk_norm(eps=1e-5, weight_offset=1.0), flat=True, int32=True, extra=_weights),
     Case("qk_norm_rotary_-interleaved-partial", _qk_norm(True, interleaved=True), rd=8, flat=True,
          extra=_weights),

@@ -13,8 +13,8 @@ from backends import BACKENDS, device_of, rotate_qk
 import rope_ext
 from rope_ext import reference
 
-# (rotary_dim, sections, interleaved sections). Halves of 32 and 48 pairs take the AVX2 / AVX-512 vector
-# path of the per-token table; 14 pairs the scalar one.
+# (rotary_dim, sections, layout: False contiguous, True interleaved, "alternating"). Halves of 32 and 48
+# pairs take the AVX2 / AVX-512 vector path of the per-token table; 14 pairs the scalar one.
 CONFIGS = [
     (64, (16, 16), False),
     (64, (10, 22), True),
@@ -24,6 +24,10 @@ CONFIGS = [
     (32, (3, 2, 2, 2, 2, 2, 1, 2), True),
     (28, (14,), False),
     (28, (5, 0, 9), False),
+    (64, (10, 11, 11), "alternating"),  # ERNIE-4.5-VL's: height, width, .., then temporal
+    (96, (12, 12, 12, 12), "alternating"),
+    (28, (4, 5, 5), 2),
+    (32, (0, 8, 8), "alternating"),
 ]
 
 
@@ -128,6 +132,11 @@ def test_axis_of_each_pair():
     j = torch.arange(64)
     want = torch.where((j % 3 == 1) & (j < 60), 1, torch.where((j % 3 == 2) & (j < 60), 2, 0))
     assert torch.equal(reference.mrope_rows(64, (24, 20, 20), True), want)
+    # Alternating: axes 1 .. n-1 take turns from pair 0, then axis 0 (ERNIE-4.5-VL with 3).
+    assert reference.mrope_rows(8, (2, 3, 3), "alternating").tolist() == [1, 2, 1, 2, 1, 2, 0, 0]
+    assert reference.mrope_rows(8, (2, 2, 2, 2), 2).tolist() == [1, 2, 3, 1, 2, 3, 0, 0]
+    want = torch.where(j < 44, 1 + j % 2, 0)
+    assert torch.equal(reference.mrope_rows(64, (20, 22, 22), "alternating"), want)
 
 
 def _flux_rotary(x: torch.Tensor, ids: torch.Tensor, axes_dim, theta: float) -> torch.Tensor:
@@ -203,3 +212,105 @@ def test_opcheck_and_compile_with_axes():
         q, k, pos, cs = _inputs(torch.float32, 96, 4, 100, tokens=tokens)
         for got, want in zip(compiled(q, k, pos, cs), f(q, k, pos, cs), strict=True):
             assert torch.equal(got, want)
+
+
+def _layout_calls(mrope_interleaved, sections=(2, 3, 3)):
+    """The three ops taking ``mrope_interleaved`` (in place rotation, cache write, QK norm), each with its
+    written tensors, on 4 tokens with positions [len(sections), 4]."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, h, 16, generator=g) for h in (2, 1, 1))
+    pos = torch.randint(0, 20, (len(sections), 4), generator=g)
+    cs = make_cos_sin(20, 16)
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    qkv = torch.randn(4, 4 * 16, generator=g)
+    w = torch.ones(16)
+    kw = dict(mrope_section=sections, mrope_interleaved=mrope_interleaved)
+    return [
+        ((q, k), lambda: rope_ext.apply_rotary_qk_(q, k, pos[:, :, None], cs, **kw)),
+        (
+            (q, k, kc, vc),
+            lambda: rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, torch.arange(4), **kw),
+        ),
+        ((qkv,), lambda: rope_ext.apply_qk_norm_rotary_(qkv, 2, 1, 1, w, w, pos, cs, **kw)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "value,error",
+    [
+        (3, ValueError),
+        (-1, ValueError),
+        (2**63 - 1, ValueError),
+        (-(2**63), ValueError),
+        ("zigzag", ValueError),
+        ("Alternating", ValueError),
+        (1.0, TypeError),
+        ((2,), TypeError),
+    ],
+    ids=str,
+)
+def test_bad_layout_refused_before_any_write(value, error):
+    """``mrope_interleaved`` outside False, True, 0-2 and the layout names: an exception naming it, every
+    written tensor unchanged."""
+    for written, call in _layout_calls(value):
+        before = [t.clone() for t in written]
+        with pytest.raises(error, match="mrope_interleaved"):
+            call()
+        assert all(torch.equal(a, b) for a, b in zip(before, written, strict=True))
+
+
+@pytest.mark.parametrize("sections", [(2, 4, 2), (8,), (0, 5, 3)], ids=str)
+def test_alternating_axes_need_equal_turns(sections):
+    """Alternating axes take turns pair by pair: at least two axes, each after the first with as many
+    pairs; otherwise a ValueError before any write."""
+    for written, call in _layout_calls("alternating", sections):
+        before = [t.clone() for t in written]
+        with pytest.raises(ValueError, match="alternating"):
+            call()
+        assert all(torch.equal(a, b) for a, b in zip(before, written, strict=True))
+
+
+def test_layout_names_equal_their_codes():
+    """``"contiguous"``, ``"interleaved"``, ``"alternating"`` are False, True and 2, bit for bit."""
+    q, k, pos, cs = _inputs(torch.bfloat16, 64, 3)
+    for name, code in (("contiguous", False), ("interleaved", True), ("alternating", 2)):
+        kw = dict(mrope_section=(10, 11, 11))
+        a = rope_ext.apply_rotary_qk(q, k, pos, cs, mrope_interleaved=name, **kw)
+        b = rope_ext.apply_rotary_qk(q, k, pos, cs, mrope_interleaved=code, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), name
+
+
+def test_ernie_4_5_vl_text_rope_reproduced():
+    """transformers' ERNIE-4.5-VL text RoPE (its rotary embedding and ``apply_rotary_pos_emb``, interleaved
+    pairs, height and width alternating below ``h + w`` pairs, then temporal): reproduced by the table and
+    table-free ops with ``parse_mrope``'s ``((t, h, w), "alternating")``; Qwen3-VL's layout would not."""
+    ernie = pytest.importorskip("transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe")
+    from transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe import Ernie4_5_VLMoeTextConfig
+
+    from rope_ext.hf_config import parse_mrope
+
+    D = 32
+    params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 6, 4]}
+    cfg = Ernie4_5_VLMoeTextConfig(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=D, rope_parameters=params
+    )
+    sections, layout = parse_mrope(cfg)
+    assert (sections, layout) == ((4, 6, 6), "alternating")
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 60, (3, 1, 9), generator=g)  # [axes, batch, tokens]: t, h, w
+    q, k = torch.randn(1, 2, 9, D, generator=g), torch.randn(1, 1, 9, D, generator=g)
+    cos, sin = ernie.Ernie4_5_VLMoeTextRotaryEmbedding(cfg)(q, pos)
+    want = ernie.apply_rotary_pos_emb(q, k, cos, sin)
+    cache = rope_ext.RopeCache(D, 10000.0, max_positions=64)
+    p = pos[:, :, None, :]  # [axes, B, 1, S] for [B, H, S, D]
+    for table in (cache.cos_sin_on(torch.device("cpu")), cache.frequencies_on(torch.device("cpu"))):
+        got = rope_ext.apply_rotary_qk(
+            q, k, p, table, interleaved=True, mrope_section=sections, mrope_interleaved=layout
+        )
+        for a, b in zip(got, want, strict=True):
+            # both rotate by float32 cos/sin; transformers' angles are float32 products (<= 60 rad here)
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    other = rope_ext.apply_rotary(
+        q, p, table, interleaved=True, mrope_section=sections, mrope_interleaved=True
+    )
+    assert (other - want[0]).abs().max() > 0.1

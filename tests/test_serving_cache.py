@@ -121,6 +121,8 @@ MROPE = {
     "axes-2": dict(mrope_section=(32, 32)),
     "axes-4-interleaved-e4m3": dict(mrope_section=(8, 8, 8, 8), mrope_interleaved=True, rotary_dim=64,
                                     cache_dtype=E4M3),
+    "mrope-alternating": dict(mrope_section=(20, 22, 22), mrope_interleaved="alternating"),
+    "axes-4-alternating-e4m3": dict(mrope_section=(10, 18, 18, 18), mrope_interleaved=2, cache_dtype=E4M3),
 }  # fmt: skip
 
 

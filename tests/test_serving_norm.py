@@ -78,8 +78,15 @@ def test_matches_reference_on_cuda(dtype, interleaved, head_dim, variant):
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
 @pytest.mark.parametrize(
     "mrope_interleaved,n_axes",
-    [(False, 3), (True, 3), (False, 2), (True, 4)],
-    ids=["mrope", "mrope-interleaved", "axes-2", "axes-4-interleaved"],
+    [(False, 3), (True, 3), (False, 2), (True, 4), ("alternating", 3), (2, 4)],
+    ids=[
+        "mrope",
+        "mrope-interleaved",
+        "axes-2",
+        "axes-4-interleaved",
+        "mrope-alternating",
+        "axes-4-alternating",
+    ],
 )
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", [128, 80])

@@ -31,8 +31,14 @@ from rope_ext.ops import CPU_ISAS, _set_cpu_isa
 
 _ops = torch.ops.rope_ext
 _ISAS = [i for i in CPU_ISAS if torch.ops.rope_ext._cpu_isa_supported(i)]
-# (rotary_dim, mrope_section, mrope_interleaved): plain, contiguous and interleaved axes.
-LAYOUTS = [(64, None, False), (96, (8, 20, 20), False), (64, (4, 14, 14), True), (28, (14,), False)]
+# (rotary_dim, mrope_section, mrope_interleaved): plain, contiguous, interleaved and alternating axes.
+LAYOUTS = [
+    (64, None, False),
+    (96, (8, 20, 20), False),
+    (64, (4, 14, 14), True),
+    (28, (14,), False),
+    (64, (10, 11, 11), "alternating"),
+]
 
 
 def _cache(rotary_dim, dtype=torch.float32, **kw):

@@ -163,7 +163,7 @@ void check_writable(const Arg& q, const Arg* k) {
 rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
                              const Tensor& positions, const Tensor& cos_sin, bool interleaved,
                              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
-                             bool mrope_interleaved, const char* q_name, bool token_major,
+                             int64_t mrope_interleaved, const char* q_name, bool token_major,
                              const char* k_name, bool k_rotary_only) {
   const char* xname = q_name ? q_name : (k_in ? "q" : "x");
   check_input(q_in, xname);
@@ -236,7 +236,12 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   // below is of positions[0] (its sizes and strides, same data pointer), and
   // the other axes sit at the same offsets plus a multiple of stride(0).
   const bool mrope = mrope_section.has_value();
+  ROPE_CHECK(ValueError, mrope_interleaved >= 0 && mrope_interleaved <= 2,
+             "mrope_interleaved must be False (contiguous sections), True (interleaved, Qwen3-VL) "
+             "or 2 (alternating, ERNIE-4.5-VL), got ",
+             mrope_interleaved);
   ROPE_CHECK(ValueError, mrope || !mrope_interleaved, "mrope_interleaved needs mrope_section");
+  const auto layout = rope::AxisLayout(mrope_interleaved);
   int mrope_sec[rope::kMaxAxes] = {};
   int n_axes = 0;
   int64_t section_stride = 0;
@@ -258,6 +263,12 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
                "positions must have a leading axis dim of size len(mrope_section) = ", n_axes,
                " ([", n_axes, ", ...]) with mrope_section, got shape ", shape_str(pos_sizes));
     for (int s = 0; s < n_axes; ++s) mrope_sec[s] = int(sec[s]);
+    bool alternates = n_axes > 1;
+    for (int s = 2; s < n_axes; ++s) alternates = alternates && sec[s] == sec[1];
+    ROPE_CHECK(ValueError, layout != rope::AxisLayout::kAlternating || alternates,
+               "alternating axes (mrope_interleaved=2) take turns: mrope_section needs at least "
+               "2 axes, the same count for each after the first, got ",
+               shape_str(sec));
     section_stride = pos_strides[0];
     pos_sizes = pos_sizes.slice(1);
     pos_strides = pos_strides.slice(1);
@@ -339,11 +350,20 @@ rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in,
   for (int i = 0, end = 0; i < rope::kMaxAxes; ++i) {
     p.mrope_section[i] = mrope_sec[i];
     end += mrope_sec[i];
-    p.axis_bound[i] = mrope_interleaved ? n_axes * mrope_sec[i]
-                      : i + 1 < n_axes  ? end
-                                        : std::numeric_limits<int>::max();
+    switch (layout) {
+      case rope::AxisLayout::kInterleaved:
+        p.axis_bound[i] = n_axes * mrope_sec[i];
+        break;
+      case rope::AxisLayout::kAlternating:
+        p.axis_bound[i] = i > 0 && i < n_axes ? (n_axes - 1) * mrope_sec[1] : 0;
+        break;
+      default:
+        p.axis_bound[i] = i + 1 < n_axes ? end : std::numeric_limits<int>::max();
+    }
   }
-  p.mrope_interleaved = mrope_interleaved;
+  p.axis_layout = layout;
+  p.axis_first = layout == rope::AxisLayout::kAlternating;
+  p.axis_period = n_axes - p.axis_first;
   p.pos_section_stride = section_stride;
   p.pos_int64 = pos_dtype == ScalarType::Long;
   p.pos_type = pos_dtype == ScalarType::Int     ? rope::PosType::kInt32
@@ -424,7 +444,7 @@ std::optional<AngleRowsHeld> bind_angle_rows(rope::RopeParams& p, const Tensor& 
   for (int64_t d = p.n_tok_dims - 1, stride = 1; d >= 0; stride *= p.tok_size[d--])
     p.pos_stride[d] = stride;
   p.n_axes = 0;
-  p.mrope_interleaved = false;
+  p.axis_layout = rope::AxisLayout::kContiguous;
   p.pos_section_stride = 0;
   p.cos_sin = ar.rows;
   p.cs_row_stride = p.rotary_dim;
@@ -501,7 +521,7 @@ Tensor empty_output(const Tensor& x) {
 
 Tensor rotary(const Backend& backend, const Tensor& x, const Tensor& positions,
               const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
-              const Sections& mrope_section, bool mrope_interleaved) {
+              const Sections& mrope_section, int64_t mrope_interleaved) {
   const Arg xa(x);
   check_input(xa, "x");
   Tensor out = empty_output(x);
@@ -514,7 +534,7 @@ Tensor rotary(const Backend& backend, const Tensor& x, const Tensor& positions,
 std::tuple<Tensor, Tensor> rotary_qk(const Backend& backend, const Tensor& q, const Tensor& k,
                                      const Tensor& positions, const Tensor& cos_sin,
                                      bool interleaved, bool inverse, int64_t rotary_offset,
-                                     const Sections& mrope_section, bool mrope_interleaved) {
+                                     const Sections& mrope_section, int64_t mrope_interleaved) {
   const Arg qa(q), ka(k);
   check_input(qa, "q");
   check_input(ka, "k");
@@ -528,7 +548,7 @@ std::tuple<Tensor, Tensor> rotary_qk(const Backend& backend, const Tensor& q, co
 
 void rotary_qk_(const Backend& backend, const Tensor& q, const std::optional<Tensor>& k,
                 const Tensor& positions, const Tensor& cos_sin, bool interleaved, bool inverse,
-                int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
+                int64_t rotary_offset, const Sections& mrope_section, int64_t mrope_interleaved) {
   const Arg qa(q);
   std::optional<Arg> ka;
   if (k.has_value() && k->defined()) ka.emplace(*k);

@@ -45,18 +45,18 @@ struct Backend {
 // rope_ext::rotary
 Tensor rotary(const Backend& backend, const Tensor& x, const Tensor& positions,
               const Tensor& cos_sin, bool interleaved, bool inverse, int64_t rotary_offset,
-              const Sections& mrope_section, bool mrope_interleaved);
+              const Sections& mrope_section, int64_t mrope_interleaved);
 
 // rope_ext::rotary_qk
 std::tuple<Tensor, Tensor> rotary_qk(const Backend& backend, const Tensor& q, const Tensor& k,
                                      const Tensor& positions, const Tensor& cos_sin,
                                      bool interleaved, bool inverse, int64_t rotary_offset,
-                                     const Sections& mrope_section, bool mrope_interleaved);
+                                     const Sections& mrope_section, int64_t mrope_interleaved);
 
 // rope_ext::rotary_qk_ (in place)
 void rotary_qk_(const Backend& backend, const Tensor& q, const std::optional<Tensor>& k,
                 const Tensor& positions, const Tensor& cos_sin, bool interleaved, bool inverse,
-                int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
+                int64_t rotary_offset, const Sections& mrope_section, int64_t mrope_interleaved);
 
 // rope_ext::rotary_qk_cache_ (RoPE + KV-cache write)
 void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -65,7 +65,7 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
                       const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                       const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+                      const Sections& mrope_section, int64_t mrope_interleaved, bool inverse,
                       const PageTableArg& page_table);
 
 // rope_ext::mla_rotary_cache_ (RoPE + MLA latent-cache write)
@@ -91,13 +91,14 @@ void rerotate_kv_cache_(const Backend& backend, const Tensor& key_cache, const T
 void qk_norm_rotary_(const Backend& backend, const Tensor& q, const Tensor& k,
                      const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions,
                      const Tensor& cos_sin, double eps, bool interleaved, double weight_offset,
-                     int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved);
+                     int64_t rotary_offset, const Sections& mrope_section,
+                     int64_t mrope_interleaved);
 std::tuple<Tensor, Tensor> qk_norm_rotary(const Backend& backend, const Tensor& q, const Tensor& k,
                                           const Tensor& q_weight, const Tensor& k_weight,
                                           const Tensor& positions, const Tensor& cos_sin,
                                           double eps, bool interleaved, double weight_offset,
                                           int64_t rotary_offset, const Sections& mrope_section,
-                                          bool mrope_interleaved);
+                                          int64_t mrope_interleaved);
 
 // rope_ext::qk_norm_rotary_packed_: qk_norm_rotary_ on the q and k columns of a packed qkv.
 void qk_norm_rotary_packed_(const Backend& backend, const Tensor& qkv, int64_t num_heads_q,
@@ -105,7 +106,7 @@ void qk_norm_rotary_packed_(const Backend& backend, const Tensor& qkv, int64_t n
                             const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
                             double eps, bool interleaved, double weight_offset,
                             int64_t rotary_offset, const Sections& mrope_section,
-                            bool mrope_interleaved);
+                            int64_t mrope_interleaved);
 
 // The QK norm's default eps, as the schemas give it (registration.cpp).
 constexpr double kDefaultNormEps = 1e-6;
@@ -228,13 +229,13 @@ rope::CacheParams make_cache_params(
     const std::optional<Tensor>& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+    int64_t rotary_offset, const Sections& mrope_section, int64_t mrope_interleaved, bool inverse,
     const PageTableArg& page_table);
 rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, const Arg& k_out,
                                   const Tensor& q_weight, const Tensor& k_weight,
                                   const Tensor& positions, const Tensor& cos_sin, double eps,
                                   bool interleaved, double weight_offset, int64_t rotary_offset,
-                                  const Sections& mrope_section, bool mrope_interleaved);
+                                  const Sections& mrope_section, int64_t mrope_interleaved);
 
 // Checks the arguments and returns the kernel parameters for in -> out
 // (out may be in). Throws the exceptions above, naming the argument (q_name,
@@ -246,7 +247,7 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
 rope::RopeParams make_params(const Arg& q_in, const Arg& q_out, const Arg* k_in, const Arg* k_out,
                              const Tensor& positions, const Tensor& cos_sin, bool interleaved,
                              bool inverse, int64_t rotary_offset, const Sections& mrope_section,
-                             bool mrope_interleaved, const char* q_name = nullptr,
+                             int64_t mrope_interleaved, const char* q_name = nullptr,
                              bool token_major = false, const char* k_name = "k",
                              bool k_rotary_only = false);
 

@@ -19,21 +19,22 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   // x.shape[:-1]): features [rotary_offset, rotary_offset + rotary_dim), with
   // rotary_dim = cos_sin.shape[-1]; the others are copied. With mrope_section
   // (t, h, w), positions is [3, ...] and each pair takes the position of its
-  // section (contiguous, or interleaved with mrope_interleaved).
+  // section (mrope_interleaved: 0 contiguous, 1 interleaved as Qwen3-VL, 2
+  // alternating as ERNIE-4.5-VL; params.h AxisLayout).
   m.def(
       "rotary(Tensor x, Tensor positions, Tensor cos_sin, bool interleaved=False, "
       "bool inverse=False, int rotary_offset=0, int[]? mrope_section=None, "
-      "bool mrope_interleaved=False) -> Tensor");
+      "int mrope_interleaved=0) -> Tensor");
   // rotary of q and of k with the same positions, in one launch.
   m.def(
       "rotary_qk(Tensor q, Tensor k, Tensor positions, Tensor cos_sin, bool interleaved=False, "
       "bool inverse=False, int rotary_offset=0, int[]? mrope_section=None, "
-      "bool mrope_interleaved=False) -> (Tensor, Tensor)");
+      "int mrope_interleaved=0) -> (Tensor, Tensor)");
   // In-place rotary of q and (optionally) k, in one launch.
   m.def(
       "rotary_qk_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin, "
       "bool interleaved=False, bool inverse=False, int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+      "int[]? mrope_section=None, int mrope_interleaved=0) -> ()");
   // RoPE + KV-cache write: q [T, Hq, D] and k [T, Hk, D] rotated in place (q
   // into q_out instead when given, of q's dtype or fp8 with q_scale), then k
   // and v [T, Hk, Dv] stored at slot_mapping[t] of the paged caches ("NHD"
@@ -48,7 +49,7 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
       "Tensor? k_scale=None, Tensor? v_scale=None, Tensor(e!)? q_out=None, Tensor? q_scale=None, "
       "bool interleaved=False, str layout=\"NHD\", int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False, "
+      "int[]? mrope_section=None, int mrope_interleaved=0, bool inverse=False, "
       "Tensor[]? page_table=None) -> ()");
   // RoPE + MLA latent-cache write (DeepSeek-V2/V3): q [T, H, D] rotated in
   // place at features [rotary_offset, rotary_offset + rotary_dim) (into q_out
@@ -90,18 +91,18 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "qk_norm_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, "
       "Tensor positions, Tensor cos_sin, float eps=1e-06, bool interleaved=False, "
       "float weight_offset=0., int rotary_offset=0, int[]? mrope_section=None, "
-      "bool mrope_interleaved=False) -> ()");
+      "int mrope_interleaved=0) -> ()");
   m.def(
       "qk_norm_rotary(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, "
       "Tensor cos_sin, float eps=1e-06, bool interleaved=False, float weight_offset=0., "
-      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) "
+      "int rotary_offset=0, int[]? mrope_section=None, int mrope_interleaved=0) "
       "-> (Tensor, Tensor)");
   // qk_norm_rotary_ on the q and k columns of a packed qkv [T, (Hq+Hk+Hv)*D].
   m.def(
       "qk_norm_rotary_packed_(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
       "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps=1e-06, "
       "bool interleaved=False, float weight_offset=0., int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
+      "int[]? mrope_section=None, int mrope_interleaved=0) -> ()");
   // rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_ with every other
   // argument at its default: the eager calls that pass no option (a decode
   // step) take these, since a boxed call costs time per schema argument,

@@ -89,8 +89,8 @@ rope::CacheParams cache_params(const Arg& q, const Arg& k, const Arg& v, const T
                                const std::optional<Tensor>& v_scale, const Arg* qo,
                                const std::optional<Tensor>& q_scale, bool interleaved,
                                const std::string& layout, int64_t rotary_offset,
-                               const Sections& mrope_section, bool mrope_interleaved, bool inverse,
-                               const PageTableArg& page_table, bool mla) {
+                               const Sections& mrope_section, int64_t mrope_interleaved,
+                               bool inverse, const PageTableArg& page_table, bool mla) {
   const CacheNames& n = mla ? kMlaNames : kGqaNames;
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, n.k, "[T, Hk, D]");
@@ -267,7 +267,7 @@ rope::CacheParams make_cache_params(
     const std::optional<Tensor>& slot_mapping, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, const std::optional<Tensor>& q_out,
     const std::optional<Tensor>& q_scale, bool interleaved, const std::string& layout,
-    int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+    int64_t rotary_offset, const Sections& mrope_section, int64_t mrope_interleaved, bool inverse,
     const PageTableArg& page_table) {
   const Arg q(q_t), k(k_t), v(v_t), key_cache(key_cache_t), value_cache(value_cache_t);
   std::optional<Arg> q_out_arg;
@@ -387,7 +387,7 @@ void rotary_qk_cache_(const Backend& backend, const Tensor& q, const Tensor& k, 
                       const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                       const std::optional<Tensor>& q_out, const std::optional<Tensor>& q_scale,
                       bool interleaved, const std::string& layout, int64_t rotary_offset,
-                      const Sections& mrope_section, bool mrope_interleaved, bool inverse,
+                      const Sections& mrope_section, int64_t mrope_interleaved, bool inverse,
                       const PageTableArg& page_table) {
   run_cache(make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping,
                               k_scale, v_scale, q_out, q_scale, interleaved, layout, rotary_offset,
@@ -411,7 +411,7 @@ rope::NormParams make_norm_params(const Arg& q, const Arg& q_out, const Arg& k, 
                                   const Tensor& q_weight, const Tensor& k_weight,
                                   const Tensor& positions, const Tensor& cos_sin, double eps,
                                   bool interleaved, double weight_offset, int64_t rotary_offset,
-                                  const Sections& mrope_section, bool mrope_interleaved) {
+                                  const Sections& mrope_section, int64_t mrope_interleaved) {
   check_3d(q, "q", "[T, Hq, D]");
   check_3d(k, "k", "[T, Hk, D]");
   const int64_t T = q.size(0), D = q.size(2);
@@ -467,7 +467,7 @@ void run_norm(rope::NormParams np, const Tensor& q, const Backend& backend) {
 void norm_in_place(const Arg& q, const Arg& k, const Tensor& q_weight, const Tensor& k_weight,
                    const Tensor& positions, const Tensor& cos_sin, double eps, bool interleaved,
                    double weight_offset, int64_t rotary_offset, const Sections& mrope_section,
-                   bool mrope_interleaved, const Backend& backend) {
+                   int64_t mrope_interleaved, const Backend& backend) {
   const auto np =
       make_norm_params(q, q, k, k, q_weight, k_weight, positions, cos_sin, eps, interleaved,
                        weight_offset, rotary_offset, mrope_section, mrope_interleaved);
@@ -480,7 +480,8 @@ void norm_in_place(const Arg& q, const Arg& k, const Tensor& q_weight, const Ten
 void qk_norm_rotary_(const Backend& backend, const Tensor& q, const Tensor& k,
                      const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions,
                      const Tensor& cos_sin, double eps, bool interleaved, double weight_offset,
-                     int64_t rotary_offset, const Sections& mrope_section, bool mrope_interleaved) {
+                     int64_t rotary_offset, const Sections& mrope_section,
+                     int64_t mrope_interleaved) {
   norm_in_place(Arg(q), Arg(k), q_weight, k_weight, positions, cos_sin, eps, interleaved,
                 weight_offset, rotary_offset, mrope_section, mrope_interleaved, backend);
 }
@@ -490,7 +491,7 @@ void qk_norm_rotary_packed_(const Backend& backend, const Tensor& qkv_t, int64_t
                             const Tensor& k_weight, const Tensor& positions, const Tensor& cos_sin,
                             double eps, bool interleaved, double weight_offset,
                             int64_t rotary_offset, const Sections& mrope_section,
-                            bool mrope_interleaved) {
+                            int64_t mrope_interleaved) {
   ROPE_CHECK(TypeError, qkv_t.defined(), "qkv must be a tensor, got None");
   const Arg qkv(qkv_t);
   ROPE_CHECK(ValueError, qkv.dim() == 2, "qkv must be [T, (Hq+Hk+Hv)*D], got shape ",
@@ -526,7 +527,7 @@ std::tuple<Tensor, Tensor> qk_norm_rotary(const Backend& backend, const Tensor& 
                                           const Tensor& positions, const Tensor& cos_sin,
                                           double eps, bool interleaved, double weight_offset,
                                           int64_t rotary_offset, const Sections& mrope_section,
-                                          bool mrope_interleaved) {
+                                          int64_t mrope_interleaved) {
   const Arg qa(q), ka(k);
   check_3d(qa, "q", "[T, Hq, D]");
   check_3d(ka, "k", "[T, Hk, D]");

@@ -42,6 +42,11 @@ struct BFloat16 {
   uint16_t bits;
 };
 
+// How the pairs of a head are shared among several position axes (the ops'
+// mrope_interleaved: 0, 1, 2): contiguous sections (Qwen2-VL), interleaved
+// ones (Qwen3-VL), or axes 1 .. n-1 taking turns before axis 0 (ERNIE-4.5-VL).
+enum class AxisLayout : int32_t { kContiguous = 0, kInterleaved = 1, kAlternating = 2 };
+
 // One tensor to rotate: [token dims..., head dims..., head_dim].
 struct RotTensor {
   const void* in;  // input, last dim contiguous
@@ -78,10 +83,15 @@ struct RopeParams {
   // to rotary_dim / 2.
   int n_axes;
   int mrope_section[kMaxAxes];
-  bool mrope_interleaved;  // Qwen3-VL's interleaved sections, else contiguous
+  AxisLayout axis_layout;  // which pairs each axis takes (mrope_row)
   // mrope_row's bounds: contiguous, the end of axis s's pairs (s < n_axes - 1,
-  // then INT_MAX); interleaved, n_axes * mrope_section[s] (0 from n_axes on).
+  // then INT_MAX); interleaved, n_axes * mrope_section[s] (0 from n_axes on);
+  // alternating, (n_axes - 1) * mrope_section[1] for axes 1 .. n_axes - 1 (0
+  // for the others).
   int axis_bound[kMaxAxes];
+  // Interleaved and alternating: pair j's turn is axis_first + j % axis_period
+  // (0 + j % n_axes; 1 + j % (n_axes - 1)).
+  int axis_period, axis_first;
   int64_t pos_section_stride;
 
   // [n_cache_rows, rotary_dim]: cos(p inv_j) for j < rotary_dim/2, then

@@ -269,13 +269,18 @@ ROPE_HD bool is_mrope(const RopeParams& p) { return p.n_axes > 0; }
 // first section[0] pairs, then the next section[1], and so on. Interleaved
 // (Qwen3-VL, n axes): pair j takes axis a = j % n when a > 0 and j < n *
 // section[a], else axis 0 (with 3: pairs 1, 4, 7, .. below 3h height, pairs
-// 2, 5, 8, .. below 3w width, all others temporal).
+// 2, 5, 8, .. below 3w width, all others temporal). Alternating
+// (ERNIE-4.5-VL, n axes, sections 1 .. n-1 equal): axes 1 .. n-1 take turns
+// from pair 0, pair j on axis 1 + j % (n - 1) while j < (n - 1) section[1],
+// then axis 0 (with 3: h, w, h, w, .. then t).
 // Fixed-count loops over the bounds (params.h), constant indices: no local
-// memory on the GPU, and no division but the interleaved j % n of n != 3.
+// memory on the GPU, and no division but the j % n of n > 3 turns.
 ROPE_HD int mrope_row(const RopeParams& p, int j) {
   int a = 0;
-  if (p.mrope_interleaved) {
-    const int n = p.n_axes, r = n == 3 ? j % 3 : j % n;
+  if (p.axis_layout != AxisLayout::kContiguous) {
+    // The turn of pair j: axis j % n interleaved, axis 1 + j % (n - 1) alternating.
+    const int n = p.axis_period;
+    const int r = (n == 3 ? j % 3 : n == 2 ? j & 1 : j % n) + p.axis_first;
     ROPE_UNROLL
     for (int s = 1; s < kMaxAxes; ++s) a = s == r && j < p.axis_bound[s] ? s : a;
     return a;

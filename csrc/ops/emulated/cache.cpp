@@ -37,7 +37,7 @@ std::vector<int64_t> cuda_emulated_cache(
     Tensor value_cache, std::optional<Tensor> slot_mapping, std::optional<Tensor> k_scale,
     std::optional<Tensor> v_scale, std::optional<Tensor> q_out, std::optional<Tensor> q_scale,
     bool interleaved, std::string layout, int64_t num_sms, bool force_scalar, int64_t rotary_offset,
-    Sections mrope_section, bool mrope_interleaved, bool inverse, PageTableArg page_table) {
+    Sections mrope_section, int64_t mrope_interleaved, bool inverse, PageTableArg page_table) {
   const auto cp =
       make_cache_params(q, k, v, positions, cos_sin, key_cache, value_cache, slot_mapping, k_scale,
                         v_scale, q_out, q_scale, interleaved, layout, rotary_offset, mrope_section,

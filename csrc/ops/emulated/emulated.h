@@ -24,7 +24,7 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
                                    std::optional<Tensor> k_out, Tensor positions, Tensor cos_sin,
                                    bool interleaved, bool inverse, int64_t num_sms,
                                    bool force_scalar, int64_t rotary_offset, Sections mrope_section,
-                                   bool mrope_interleaved);
+                                   int64_t mrope_interleaved);
 
 // rope_ext::_cuda_emulated_cache: the CUDA body of rotary_qk_cache_ (slots
 // outside the cache skipped, no position check, as on the GPU).
@@ -33,7 +33,7 @@ std::vector<int64_t> cuda_emulated_cache(
     Tensor value_cache, std::optional<Tensor> slot_mapping, std::optional<Tensor> k_scale,
     std::optional<Tensor> v_scale, std::optional<Tensor> q_out, std::optional<Tensor> q_scale,
     bool interleaved, std::string layout, int64_t num_sms, bool force_scalar, int64_t rotary_offset,
-    Sections mrope_section, bool mrope_interleaved, bool inverse, PageTableArg page_table);
+    Sections mrope_section, int64_t mrope_interleaved, bool inverse, PageTableArg page_table);
 
 // rope_ext::_cuda_emulated_mla: the CUDA body of mla_rotary_cache_, as
 // cuda_emulated_cache.
@@ -60,6 +60,6 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
                                         Tensor cos_sin, double eps, bool interleaved,
                                         double weight_offset, int64_t num_sms, bool force_scalar,
                                         int64_t rotary_offset, Sections mrope_section,
-                                        bool mrope_interleaved);
+                                        int64_t mrope_interleaved);
 
 }  // namespace rope_ext

@@ -16,7 +16,7 @@ std::vector<int64_t> cuda_emulated_norm(Tensor q, Tensor k, Tensor q_out, Tensor
                                         Tensor cos_sin, double eps, bool interleaved,
                                         double weight_offset, int64_t num_sms, bool force_scalar,
                                         int64_t rotary_offset, Sections mrope_section,
-                                        bool mrope_interleaved) {
+                                        int64_t mrope_interleaved) {
   using ValueError = std::invalid_argument;
   ROPE_CHECK(ValueError, q_out.sizes().equals(q.sizes()) && q_out.scalar_type() == q.scalar_type(),
              "q_out must match q in shape and dtype");

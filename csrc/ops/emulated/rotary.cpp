@@ -19,7 +19,7 @@ std::vector<int64_t> cuda_emulated(Tensor q, std::optional<Tensor> k, Tensor q_o
                                    std::optional<Tensor> k_out, Tensor positions, Tensor cos_sin,
                                    bool interleaved, bool inverse, int64_t num_sms,
                                    bool force_scalar, int64_t rotary_offset, Sections mrope_section,
-                                   bool mrope_interleaved) {
+                                   int64_t mrope_interleaved) {
   const Tensor* kp = k.has_value() && k->defined() ? &*k : nullptr;
   const Tensor* kop = k_out.has_value() && k_out->defined() ? &*k_out : nullptr;
   using ValueError = std::invalid_argument;
@@ -71,7 +71,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
   m.def(
       "_cuda_emulated(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor positions, "
       "Tensor cos_sin, bool interleaved, bool inverse, int num_sms, bool force_scalar, "
-      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
+      "int rotary_offset=0, int[]? mrope_section=None, int mrope_interleaved=0) -> int[]");
   // The CUDA body of rotary_qk_cache_ (same arguments, then num_sms and
   // force_scalar) run on the CPU. Returns [grid_x, grid_y, block_x, block_y, vectorized].
   m.def(
@@ -79,7 +79,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor? slot_mapping, "
       "Tensor? k_scale, Tensor? v_scale, Tensor(e!)? q_out, Tensor? q_scale, bool interleaved, "
       "str layout, int num_sms, bool force_scalar, int rotary_offset=0, "
-      "int[]? mrope_section=None, bool mrope_interleaved=False, bool inverse=False, "
+      "int[]? mrope_section=None, int mrope_interleaved=0, bool inverse=False, "
       "Tensor[]? page_table=None) -> int[]");
   // The CUDA body of mla_rotary_cache_ (same arguments, then num_sms and
   // force_scalar) run on the CPU. Returns as _cuda_emulated_cache.
@@ -100,7 +100,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(rope_ext, m) {
       "_cuda_emulated_norm(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, "
       "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps, "
       "bool interleaved, float weight_offset, int num_sms, bool force_scalar, "
-      "int rotary_offset=0, int[]? mrope_section=None, bool mrope_interleaved=False) -> int[]");
+      "int rotary_offset=0, int[]? mrope_section=None, int mrope_interleaved=0) -> int[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {

@@ -160,7 +160,7 @@ class TokenTable {
       }
       if (!built) {
         CS* m = merged_.data();
-        if (all_in && !p.mrope_interleaved) {
+        if (all_in && p.axis_layout == AxisLayout::kContiguous) {
           // Contiguous sections: one run of pairs per axis, cos and sin halves each.
           for (int s = 0, j0 = 0; s < n; j0 += p.mrope_section[s++]) {
             const CS* row = rows[s];

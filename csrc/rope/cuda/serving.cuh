@@ -135,7 +135,6 @@ ROPE_HD int64_t slot_of(const CacheParams& cp, int64_t token) {
 
 template <class T, class CS, class Pos, bool Interleaved, bool Vectorized>
 ROPE_HD void cache_thread(const CacheParams& cp, const CacheLaunch& cl, const Coord& c) {
-  using A = typename Acc<T>::type;
   const RopeParams& p = cp.rope;
   const Launch& l = cl.grid;
   constexpr int V = vec_width<T, Vectorized>();
