@@ -299,6 +299,22 @@ FAMILIES: dict[str, Family] = {
             notes="interleaved MRoPE sections, `[3, batch, seq]` position ids",
         ),
         Family(
+            "ernie4_5_vl_moe",
+            "ernie4_5_vl_moe",
+            "Ernie4_5_VLMoeTextConfig",
+            "Ernie4_5_VLMoeTextModel",
+            dict(
+                head_dim=32,
+                moe_num_experts=4,
+                moe_k=2,
+                moe_intermediate_size=[32, 32],
+                rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [6, 6, 4]},
+            ),
+            mrope=True,
+            notes="its text model: alternating MRoPE axes (height, width, .., then temporal), "
+            "`[3, batch, seq]` position ids",
+        ),
+        Family(
             "modernbert",
             "modernbert",
             "ModernBertConfig",

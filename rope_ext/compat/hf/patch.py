@@ -101,6 +101,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_5_vl_text",
     "qwen3_vl",
     "qwen3_vl_text",
+    "ernie4_5_vl_moe",
     "mixtral",
     "qwen2_moe",
     "qwen3",
