@@ -69,6 +69,17 @@ class Tower:
         return importlib.import_module(f"transformers.models.{self.package}.modeling_{self.package}")
 
 
+def _ernie_inputs(cfg) -> dict[str, torch.Tensor]:
+    """Two images in one packed sequence (4 x 6 and 2 x 4 patches): ``[32, C * P * P]`` and their grid."""
+    grid = torch.tensor([[1, 4, 6], [1, 2, 4]])
+    n = int(grid.prod(-1).sum())
+    width = cfg.in_channels * cfg.patch_size**2
+    return {
+        "hidden_states": torch.randn(n, width, generator=torch.Generator().manual_seed(1)),
+        "grid_thw": grid,
+    }
+
+
 TOWERS = {
     "qwen2_vl": Tower(
         "qwen2_vl",
@@ -106,6 +117,14 @@ TOWERS = {
             deepstack_visual_indexes=[0],
         ),
         _qwen_inputs,
+        "apply_rotary_pos_emb_vision",
+    ),
+    "ernie4_5_vl_moe": Tower(
+        "ernie4_5_vl_moe",
+        "Ernie4_5_VLMoeVisionConfig",
+        "Ernie4_5_VLMoeVisionTransformerPretrainedModel",
+        dict(_QWEN, hidden_size=64, intermediate_size=96),
+        _ernie_inputs,
         "apply_rotary_pos_emb_vision",
     ),
     "glm4v": Tower(

@@ -73,6 +73,7 @@ TESTED_VISION_MODELS = (
     "Qwen2_5_VisionTransformerPretrainedModel",
     "Qwen3VLVisionModel",
     "Glm4vVisionModel",
+    "Ernie4_5_VLMoeVisionTransformerPretrainedModel",
     "PixtralVisionModel",
     "Llama4VisionModel",
 )
