@@ -1,5 +1,5 @@
-// CPU kernel of the RoPE + KV-cache write (cpu/cpu.h). It works a token at a
-// time, so that what the rotation writes is still in L1 for the row stores: the
+// CPU kernel of the RoPE + KV-cache write (cpu/cpu.h). It works a few tokens at
+// a time, so that what the rotation writes is still in cache for the row stores: the
 // rotation is the vectorized kernel of rotate_tokens, the fp8 quantization of
 // a row is the row kernel (cpu/fp8_rows.h) of the same instruction set, or a
 // table made by it (Fp8Tables), and the cache stores are row copies. (The
@@ -17,11 +17,11 @@ namespace rope {
 namespace cpu {
 namespace {
 
-// Tokens per step. One: a token's cache rows are written (and its v read)
-// right after its rotation, from L1, and the memory traffic of those rows
-// overlaps the next token's rotation. Steps of 8 tokens, which rotate 8 and
-// then write 8 tokens' rows, were measured slower (benchmarks/cpu-serving.md).
-constexpr int64_t kStepTokens = 1;
+// Tokens per step: their rotation (one call of the rotation kernel), then
+// their cache rows (k's read back from L1 / L2). Eight amortise the call's
+// setup over more tokens than one did, whose row stores overlapped the next
+// token's rotation instead (benchmarks/cpu-serving.md).
+constexpr int64_t kStepTokens = 8;
 
 int64_t pos_size(const RopeParams& p) { return p.pos_int64 ? 8 : 4; }
 
