@@ -139,9 +139,16 @@ AXIS_LAYOUTS = {"contiguous": 0, "interleaved": 1, "alternating": 2}
 
 
 def axis_layout(value) -> bool | int:
-    """``mrope_interleaved`` as the op takes it: a bool or an int as given (the op checks its range), None
-    as False, a layout name as its code (:data:`AXIS_LAYOUTS`)."""
-    if type(value) in (bool, int):
+    """``mrope_interleaved`` as the op takes it: a bool, or an int of 0-2, as given; None as False; a layout
+    name as its code (:data:`AXIS_LAYOUTS`)."""
+    if type(value) is bool:
+        return value
+    if type(value) is int:
+        if not 0 <= value <= 2:
+            raise ValueError(
+                "mrope_interleaved must be False (contiguous sections), True (interleaved, Qwen3-VL) or 2 "
+                f"(alternating, ERNIE-4.5-VL), got {value}"
+            )
         return value
     if value is None:
         return False

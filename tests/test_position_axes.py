@@ -242,6 +242,8 @@ def _layout_calls(mrope_interleaved, sections=(2, 3, 3)):
         (-1, ValueError),
         (2**63 - 1, ValueError),
         (-(2**63), ValueError),
+        (2**63, ValueError),
+        (2**64, ValueError),
         ("zigzag", ValueError),
         ("Alternating", ValueError),
         (1.0, TypeError),
