@@ -81,6 +81,12 @@ step bench-serving 60 bench alone "${BENCH_COMMON[@]}" --dtype bf16 --pairing mo
 step bench-mla 40 bench alone "${BENCH_COMMON[@]/llama-3-8b/deepseek-v3}" --dtype bf16 --pairing model \
   --tokens 4096 --decode-tokens 1,64 --mode inplace,mla,mla-fp8 \
   --json "$OUTDIR/bench-mla.json" --csv "$OUTDIR/bench-mla.csv"
+# Vision and diffusion shapes: N-axis positions with a table and without one (table-free), against the
+# model's own eager RoPE code.
+step bench-vision 40 bench alone "${BENCH_COMMON[@]/llama-3-8b/flux,wan2.1-1.3b,qwen2-vl-vision}" \
+  --dtype bf16,fp32 --tokens model --decode-tokens '' --mode inplace,out \
+  --providers "rope_ext,rope_ext table-free,model-eager" \
+  --json "$OUTDIR/bench-vision.json" --csv "$OUTDIR/bench-vision.csv"
 
 # ---------------------------------------------------------------------------------------------------------
 SANITIZER_TOOLS=" memcheck racecheck synccheck initcheck "

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 STEPS = ["build", "tests", "tests-dist", *(f"sanitize-{t}" for t in TOOLS)]
-STEPS += ["bench", "bench-serving", "bench-mla"]
+STEPS += ["bench", "bench-serving", "bench-mla", "bench-vision"]
 CAPTURED_OPS = ["cache-bf16", "cache-fp8", "mla-fp8", "rerotate", "qk-norm", "qk-norm-packed"]
 CAPTURED_OPS += ["rotary-qk-inplace"]
 
