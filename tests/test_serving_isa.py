@@ -203,3 +203,32 @@ def test_qk_norm_whole_heads_special_values_identical_across_sets(interleaved, d
     assert want.isnan().any() and (want != 0).any()
     for name in ISAS:
         assert torch.equal(run(name).view(bits), want.view(bits)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cache_write_streamed_rows_equal_one_token_calls(isa, dtype):
+    """A call whose cache rows add up to 1 MiB or more writes them with streaming stores (the vector sets),
+    a decode step with plain stores: the same bytes, and the rows of the slots not named stay as they were."""
+    g = torch.Generator().manual_seed(7)
+    T, Hq, Hk, D, bs = 520, 4, 8, 128, 16
+    assert T * Hk * 2 * D * dtype.itemsize >= 1 << 20
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype)
+    slots = torch.randperm(2 * T, generator=g)[:T]
+    slots[::37] = -1  # padding: not written
+    cs = reference.cos_sin_table(64, D).float()
+    positions = torch.randint(0, 64, (T,), generator=g)
+    caches = torch.randn(2, 2 * T // bs, bs, Hk, D, generator=g).to(dtype)
+    results = []
+    for per_token in (False, True):
+        x, c = qkv.clone(), caches.clone()
+        q, k, v = (t.view(T, -1, D) for t in x.split([Hq * D, Hk * D, Hk * D], dim=1))
+        steps = [slice(t, t + 1) for t in range(T)] if per_token else [slice(0, T)]
+        for s in steps:
+            rope_ext.apply_rotary_qk_and_cache_(q[s], k[s], v[s], positions[s], cs, c[0], c[1], slots[s])
+        results.append((x, c))
+    (x1, c1), (x2, c2) = results
+    assert torch.equal(x1.view(torch.uint8), x2.view(torch.uint8))
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+    unwritten = torch.ones(2 * T, dtype=torch.bool)
+    unwritten[slots[slots >= 0]] = False
+    assert torch.equal(c1.flatten(1, 2)[:, unwritten], caches.flatten(1, 2)[:, unwritten])

@@ -16,18 +16,19 @@ std::array<int32_t, 2> device_codes(const Tensor& t) {
   return c;
 }
 
-// Byte extent [lo, hi) of the elements of t.
-std::pair<int64_t, int64_t> extent(const Layout& t) {
-  int64_t lo = 0, hi = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t span = (t.size[d] - 1) * t.stride[d];
-    (span < 0 ? lo : hi) += span;
-  }
-  const int64_t es = t.element_size;
-  return {t.data + lo * es, t.data + (hi + 1) * es};
-}
-
 }  // namespace
+
+Layout::Layout(IntRef sizes, IntRef strides, int64_t elem_size, int64_t address)
+    : size(sizes), stride(strides), element_size(elem_size), data(address) {
+  int64_t below = 0, above = 0;  // elements before and after the first one
+  for (int64_t d = 0; d < dim(); ++d) {
+    if (size[d] == 0) return;  // no element: lo == hi
+    const int64_t span = (size[d] - 1) * stride[d];
+    (span < 0 ? below : above) += span;
+  }
+  lo = data + below * element_size;
+  hi = data + (above + 1) * element_size;
+}
 
 Arg::Arg(const Tensor& t) : tensor_(&t), defined_(t.defined()), dtype_(), device_{} {
   if (!defined_) return;
@@ -43,17 +44,12 @@ Arg::Arg(const Arg& base, IntRef sizes, IntRef strides, int64_t offset)
   const size_t n = sizes.size();
   std::copy_n(sizes.begin(), n, view_size_);
   std::copy_n(strides.begin(), n, view_stride_);
-  layout_.size = IntRef(view_size_, n);
-  layout_.stride = IntRef(view_stride_, n);
-  layout_.element_size = base.layout_.element_size;
-  layout_.data = base.layout_.data + offset * base.layout_.element_size;
+  const Layout& b = base.layout_;
+  layout_ = Layout(IntRef(view_size_, n), IntRef(view_stride_, n), b.element_size,
+                   b.data + offset * b.element_size);
   // A view reaches only bytes of its base: a kernel given it cannot leave the base's storage.
-  if (layout_.numel() != 0) {
-    const auto [lo, hi] = extent(layout_);
-    const auto [base_lo, base_hi] = extent(base.layout_);
-    if (base.layout_.numel() == 0 || lo < base_lo || hi > base_hi)
-      throw std::logic_error("Arg view: reaches outside its base tensor");
-  }
+  if (layout_.lo != layout_.hi && (b.lo == b.hi || layout_.lo < b.lo || layout_.hi > b.hi))
+    throw std::logic_error("Arg view: reaches outside its base tensor");
 }
 
 bool Arg::same_device(const Tensor& t) const { return device_ == device_codes(t); }
@@ -82,6 +78,26 @@ int64_t runs_of(const Layout& t, std::vector<std::pair<int64_t, int64_t>>& outer
       outer.emplace_back(size, stride);
   }
   return run;
+}
+
+// A layout as rows: n rows `stride` bytes apart, each a contiguous run of
+// `bytes` (every dim after the first contiguous in row-major order, size-1
+// dims aside; stride >= bytes > 0 when there are several rows); bytes = 0
+// when it is not one.
+struct Rows {
+  int64_t n = 1, stride = 0, bytes = 0;
+};
+
+Rows rows_of(const Layout& t) {
+  int64_t run = 1;  // elements
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    if (t.size[d] == 1) continue;
+    if (t.stride[d] != run) return {};
+    run *= t.size[d];
+  }
+  Rows r{t.dim() ? t.size[0] : 1, t.dim() ? t.stride[0] * t.element_size : 0, run * t.element_size};
+  if (r.n > 1 && r.stride < r.bytes) return {};  // rows that overlap or step backwards
+  return r;
 }
 
 // Byte offsets (from `base`) of every run start.
@@ -142,25 +158,24 @@ bool self_overlaps(const Layout& t) {
 }
 
 bool overlaps(const Layout& a, const Layout& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const auto [alo, ahi] = extent(a);
-  const auto [blo, bhi] = extent(b);
-  if (ahi <= blo || bhi <= alo) return false;
-  std::vector<std::pair<int64_t, int64_t>> oa, ob;
-  const int64_t la = runs_of(a, oa), lb = runs_of(b, ob);
+  if (a.lo == a.hi || b.lo == b.hi || a.hi <= b.lo || b.hi <= a.lo) return false;
   const int64_t pa = a.data, pb = b.data;
-  if (oa.size() == 1 && ob.size() == 1 && oa[0] == ob[0] && oa[0].second > 0) {
-    // Same single outer dim (q and k sliced from one packed tensor): runs
-    // [pa + i S, +la) and [pb + j S, +lb) meet iff some m = j - i in
-    // (-(n-1), n-1) has pb - pa + m S in (-lb, la).
-    const int64_t n = oa[0].first, S = oa[0].second, delta = pb - pa;
+  // n rows one stride S apart in both (q, k and v sliced from one packed tensor):
+  // runs [pa + i S, +la) and [pb + j S, +lb) meet iff some m = j - i in
+  // [-(n - 1), n - 1] has pb - pa + m S in (-lb, la).
+  const Rows ra = rows_of(a), rb = rows_of(b);
+  if (ra.bytes && rb.bytes && ra.n == rb.n && (ra.n == 1 || ra.stride == rb.stride)) {
+    if (ra.n == 1) return true;  // two runs whose extents meet
+    const int64_t n = ra.n, S = ra.stride, delta = pb - pa;
     auto floor_div = [](int64_t x, int64_t y) {
       return x / y - ((x % y != 0) && ((x < 0) != (y < 0)));
     };
-    const int64_t m_lo = std::max(-(n - 1), floor_div(-lb - delta, S) + 1);
-    const int64_t m_hi = std::min(n - 1, -floor_div(-(la - delta), S) - 1);
+    const int64_t m_lo = std::max(-(n - 1), floor_div(-rb.bytes - delta, S) + 1);
+    const int64_t m_hi = std::min(n - 1, -floor_div(-(ra.bytes - delta), S) - 1);
     return m_lo <= m_hi;
   }
+  std::vector<std::pair<int64_t, int64_t>> oa, ob;
+  const int64_t la = runs_of(a, oa), lb = runs_of(b, ob);
   // General case: list every contiguous run of both and sweep.
   const int64_t base = std::min(pa, pb);
   const auto sa = run_starts(a, base, oa), sb = run_starts(b, base, ob);

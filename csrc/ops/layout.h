@@ -11,17 +11,19 @@
 
 namespace rope_ext {
 
-// A tensor's layout, read once (every query is a call into libtorch).
+// A tensor's layout, read once (every query is a call into libtorch), and the
+// byte extent [lo, hi) of its elements (lo == hi: no element), which decides
+// most overlap checks alone.
 struct Layout {
   IntRef size, stride;  // views of the tensor's own, or of an Arg's (either outlives the Layout)
-  int64_t element_size;
-  int64_t data;  // address of the first element
-  Layout() : element_size(0), data(0) {}
+  int64_t element_size = 0;
+  int64_t data = 0;  // address of the first element
+  int64_t lo = 0, hi = 0;
+  Layout() = default;  // no element
+  Layout(IntRef sizes, IntRef strides, int64_t elem_size, int64_t address);
   explicit Layout(const Tensor& t)
-      : size(t.sizes()),
-        stride(t.strides()),
-        element_size(int64_t(t.element_size())),
-        data(reinterpret_cast<int64_t>(t.data_ptr())) {}
+      : Layout(t.sizes(), t.strides(), int64_t(t.element_size()),
+               reinterpret_cast<int64_t>(t.data_ptr())) {}
   int64_t dim() const { return int64_t(size.size()); }
   int64_t numel() const {
     int64_t n = 1;

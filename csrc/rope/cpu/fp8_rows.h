@@ -18,10 +18,11 @@ namespace cpu {
 struct RowOps {
   // dst[0, n) = quantize_fp8(x[i], scale, t) (serving.h).
   void (*quant[4])(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t);
-  // dst[0, bytes) = x[0, bytes): a KV-cache row. The vector builds write
-  // whole aligned rows with non-temporal stores (a row is written once, to a
-  // line not in cache: no read for ownership); a thread calls fence() after
-  // its last row, before the op returns.
+  // dst[0, bytes) = x[0, bytes): a KV-cache row of a call that writes many
+  // (kv_cache.cpp: kStreamMinBytes). The vector builds write whole aligned
+  // rows with non-temporal stores (a row is written once, to a line not in
+  // cache: no read for ownership); a thread calls fence() after its last
+  // row, before the op returns.
   void (*copy)(const void* x, void* dst, int64_t bytes);
   void (*fence)();
 };

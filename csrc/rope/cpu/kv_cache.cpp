@@ -127,16 +127,32 @@ struct Fp8Tables {
   }
 };
 
+// A call whose copied cache rows add up to kStreamMinBytes or more writes them
+// with streaming stores (no read for ownership of lines it will not read
+// again); a smaller one, a decode step, with plain stores: its few rows skip
+// the store fence, and stay in cache for the attention that reads them next.
+constexpr int64_t kStreamMinBytes = int64_t(1) << 20;
+
+template <class T>
+bool streams_rows(const CacheParams& cp) {
+  const int64_t tokens = cp.pages.batch ? cp.pages.n_tokens : cp.n_slots;
+  return cp.cache_fp8 == Fp8::kNone &&
+         tokens * cp.n_kv_heads * (cp.k_dim + cp.v_dim) * int64_t(sizeof(T)) >= kStreamMinBytes;
+}
+
 // Stores one row of n values of T into a cache row (a copy, or fp8); `row`:
 // the slot's offset in the cache (slot_offset).
 template <class T>
 void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t row, int64_t head,
-               int64_t n, float scale, const uint8_t* table) {
+               int64_t n, float scale, const uint8_t* table, bool stream) {
   const int64_t off = row + head * c.head_stride;
+  T* dst = static_cast<T*>(c.data) + off;
   if (cp.cache_fp8 != Fp8::kNone)
     quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8, table);
+  else if (stream)
+    row_ops().copy(x, dst, n * int64_t(sizeof(T)));
   else
-    row_ops().copy(x, static_cast<T*>(c.data) + off, n * int64_t(sizeof(T)));
+    std::memcpy(dst, x, size_t(n) * sizeof(T));
 }
 
 // Whether k rotates apart from q: its features differ from q's (MLA's k_pe), or q is rotated
@@ -148,7 +164,8 @@ bool rotates_k_apart(const CacheParams& cp) {
 }
 
 template <class T>
-void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, int64_t end) {
+void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, int64_t end,
+                bool stream) {
   const RopeParams& p = cp.rope;
   const RopeParams r = slice_tokens(p, begin, end);
   const int64_t n = end - begin, hq = p.t[0].n_heads, D = p.head_dim;
@@ -193,9 +210,9 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
     const int64_t v_row = slot_offset(cp.value_cache, cp.block_size, slot);
     for (int64_t h = 0; h < cp.n_kv_heads; ++h) {
       const T* k = static_cast<const T*>(p.t[1].in) + row_offset(p, 1, token, h);
-      store_row(k, cp, cp.key_cache, k_row, h, cp.k_dim, k_scale, tables.k);
+      store_row(k, cp, cp.key_cache, k_row, h, cp.k_dim, k_scale, tables.k, stream);
       const T* v = static_cast<const T*>(cp.v) + token * cp.v_tok_stride + h * cp.v_head_stride;
-      store_row(v, cp, cp.value_cache, v_row, h, cp.v_dim, v_scale, tables.v);
+      store_row(v, cp, cp.value_cache, v_row, h, cp.v_dim, v_scale, tables.v, stream);
     }
   }
 }
@@ -228,10 +245,11 @@ void rotate_and_cache_tokens(const CacheParams& cp, int64_t begin, int64_t end) 
       rq.inverse = cp.q_inverse;
       rotate_tokens(rq, begin, end);
     }
+    const bool stream = streams_rows<T>(cp);
     for (int64_t b = begin; b < end; b += kStepTokens)
-      cache_step<T>(cp, tables, b, std::min(end, b + kStepTokens));
+      cache_step<T>(cp, tables, b, std::min(end, b + kStepTokens), stream);
+    if (stream) row_ops().fence();  // the streaming stores of this thread's rows
   });
-  row_ops().fence();  // the streaming stores of this thread's rows
 }
 
 }  // namespace cpu
