@@ -453,3 +453,21 @@ def test_overlap_detection_is_exact(pair):
             continue
         ref = reference.rotary_hadamard(before.as_strided(shape, strides, off), positions, cs)
         assert_close_to_reference(buf.as_strided(shape, strides, off), ref, before.abs().max().item())
+
+
+def test_single_row_with_a_huge_stride():
+    """The stride of a size-1 dim may be anything (2^62 here): a single row is rotated, and its overlap with
+    another single row is decided from their elements, without arithmetic on that stride."""
+    buf = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    before = buf.clone()
+    q = buf.as_strided((1, 4, 8), (2**62, 8, 1))
+    k = buf.as_strided((1, 2, 8), (2**61, 8, 1), 64)
+    cs = make_cos_sin(P, 8)
+    positions = torch.tensor([[3]])
+    rope_ext.apply_rotary_qk_(q, k, positions, cs)
+    ref = reference.rotary_hadamard(before.as_strided((1, 4, 8), (2**62, 8, 1)), positions, cs)
+    assert_close_to_reference(q, ref, before.abs().max().item())
+    rotated = buf.clone()
+    with pytest.raises(ValueError, match="overlap"):
+        rope_ext.apply_rotary_qk_(q, buf.as_strided((1, 2, 8), (2**61, 8, 1), 8), positions, cs)
+    assert torch.equal(buf, rotated)

@@ -95,7 +95,8 @@ Rows rows_of(const Layout& t) {
     if (t.stride[d] != run) return {};
     run *= t.size[d];
   }
-  Rows r{t.dim() ? t.size[0] : 1, t.dim() ? t.stride[0] * t.element_size : 0, run * t.element_size};
+  const int64_t n = t.dim() ? t.size[0] : 1;  // (the stride of a single row may be anything)
+  Rows r{n, n > 1 ? t.stride[0] * t.element_size : 0, run * t.element_size};
   if (r.n > 1 && r.stride < r.bytes) return {};  // rows that overlap or step backwards
   return r;
 }
