@@ -146,13 +146,12 @@ template <class T>
 void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t row, int64_t head,
                int64_t n, float scale, const uint8_t* table, bool stream) {
   const int64_t off = row + head * c.head_stride;
-  T* dst = static_cast<T*>(c.data) + off;
   if (cp.cache_fp8 != Fp8::kNone)
     quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8, table);
   else if (stream)
-    row_ops().copy(x, dst, n * int64_t(sizeof(T)));
+    row_ops().copy(x, static_cast<T*>(c.data) + off, n * int64_t(sizeof(T)));
   else
-    std::memcpy(dst, x, size_t(n) * sizeof(T));
+    std::memcpy(static_cast<T*>(c.data) + off, x, size_t(n) * sizeof(T));
 }
 
 // Whether k rotates apart from q: its features differ from q's (MLA's k_pe), or q is rotated
