@@ -35,6 +35,13 @@ CPU_ISAS = ("scalar", "avx2", "avx512", "avx512_bf16", "neon")
 _isa_env = os.environ.get("ROPE_EXT_CPU_ISA")
 if _isa_env and _isa_env not in CPU_ISAS:
     raise ValueError(f"ROPE_EXT_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {_isa_env!r}")
+# The CPU kernel's software prefetch distance in bytes: at most 1 MiB (cpu.h, kMaxPrefetch).
+CPU_MAX_PREFETCH = 1 << 20
+_prefetch_env = os.environ.get("ROPE_EXT_CPU_PREFETCH")
+if _prefetch_env and not (_prefetch_env.isdigit() and int(_prefetch_env) <= CPU_MAX_PREFETCH):
+    raise ValueError(
+        f"ROPE_EXT_CPU_PREFETCH must be a number of bytes from 0 to {CPU_MAX_PREFETCH}, got {_prefetch_env!r}"
+    )
 
 
 def _cpu_isa() -> str:
@@ -58,6 +65,30 @@ def _set_cpu_isa(name: str) -> str:
     previous = _cpu_isa()
     if not _ops._set_cpu_isa(name):
         raise ValueError(f"this CPU does not run the {name} kernel (cpu ISA in use: {previous})")
+    return previous
+
+
+def _cpu_prefetch() -> int:
+    """The CPU kernel's software prefetch distance in bytes (0: none).
+
+    Before each head is rotated or normalised, the head that many bytes further on in the loop's order
+    is hinted into L1. Set at the first CPU call: ``ROPE_EXT_CPU_PREFETCH`` when given, else 2048 on
+    Intel CPUs and 0 on others (benchmarks/cpu-serving.md).
+    """
+    return int(_ops._cpu_prefetch())
+
+
+def _set_cpu_prefetch(bytes_ahead: int) -> int:
+    """Use the prefetch distance ``bytes_ahead`` for calls that start from now on; returns the previous one.
+
+    For tests and benchmarks. Raises ``ValueError`` outside ``[0, CPU_MAX_PREFETCH]``; results do not
+    depend on it.
+    """
+    if type(bytes_ahead) is not int or not 0 <= bytes_ahead <= CPU_MAX_PREFETCH:
+        raise ValueError(f"bytes_ahead must be an int from 0 to {CPU_MAX_PREFETCH}, got {bytes_ahead!r}")
+    previous = _cpu_prefetch()
+    if not _ops._set_cpu_prefetch(bytes_ahead):
+        raise ValueError(f"the CPU kernel refused the prefetch distance {bytes_ahead}")
     return previous
 
 

@@ -120,6 +120,7 @@ def test_cli_writes_json_csv_and_plot(tmp_path, capsys):
     assert data["command"].startswith("rope-bench --shape")
     assert {"machine", "config", "rows", "notes"} <= set(data)
     assert data["machine"]["rope_ext_cpu_isa"] == rope_ext._cpu_isa()
+    assert data["machine"]["rope_ext_cpu_prefetch"] == rope_ext._cpu_prefetch()
     assert {r["pairing"] for r in data["rows"]} == {"interleaved"}
     with open(cs) as f:
         rows = list(csv.DictReader(f))

@@ -144,6 +144,8 @@ constexpr Backend kCpu{check_positions_cpu, launch_cpu,      launch_cache_cpu, l
 std::string cpu_isa() { return rope::cpu::isa(); }
 bool cpu_isa_supported(std::string name) { return rope::cpu::isa_supported(name.c_str()); }
 bool set_cpu_isa(std::string name) { return rope::cpu::set_isa(name.c_str()); }
+int64_t cpu_prefetch() { return rope::cpu::prefetch_distance(); }
+bool set_cpu_prefetch(int64_t bytes) { return rope::cpu::set_prefetch_distance(bytes); }
 
 }  // namespace
 }  // namespace rope_ext
@@ -158,4 +160,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CompositeImplicitAutograd, m) {
   m.impl("_cpu_isa", TORCH_BOX(&rope_ext::cpu_isa));
   m.impl("_cpu_isa_supported", TORCH_BOX(&rope_ext::cpu_isa_supported));
   m.impl("_set_cpu_isa", TORCH_BOX(&rope_ext::set_cpu_isa));
+  m.impl("_cpu_prefetch", TORCH_BOX(&rope_ext::cpu_prefetch));
+  m.impl("_set_cpu_prefetch", TORCH_BOX(&rope_ext::set_cpu_prefetch));
 }

@@ -55,6 +55,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "rope_ext": rope_ext.__version__,
         "rope_ext_cpu_isa": str(torch.ops.rope_ext._cpu_isa()),
+        "rope_ext_cpu_prefetch": int(torch.ops.rope_ext._cpu_prefetch()),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
     }
     with contextlib.suppress(OSError):

@@ -328,15 +328,19 @@ struct Avx512Head : ScalarTable {
   }
   // n heads at in + i * si (out + i * so) rotated with the table held in
   // registers (up to 16 of the 32 zmm registers for rotary_dim 128), loaded
-  // once per token instead of once per head. For the unrolled rotary dims;
+  // once per token instead of once per head; each head first hints a later
+  // one into L1 (Ahead). For the unrolled rotary dims;
   // the same arithmetic as rotate(), so the same bits.
   template <class T, bool Interleaved, class A>
     requires(R > 0 && !std::is_same_v<T, double>)
   __attribute__((always_inline)) static void rotate_heads(const T* in, T* out, int64_t si,
                                                           int64_t so, int64_t n, const float* tab,
-                                                          int D, bool copy_pass) {
+                                                          int D, bool copy_pass,
+                                                          const Ahead<T>& pf) {
     constexpr int h = R / 2;
+    constexpr int kHeadBytes = R * int(sizeof(T));
     const bool pass = copy_pass && D > R;
+    const T* const first = in;
     if constexpr (std::is_same_v<T, BFloat16>) {
       const float* tp = tab + 2 * R;
       if constexpr (Interleaved) {
@@ -348,6 +352,7 @@ struct Avx512Head : ScalarTable {
           sn[k] = _mm512_loadu_ps(tp + h + 16 * k);
         }
         for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+          pf.template hint<kHeadBytes>(first, i, n, si);
 #pragma GCC unroll 8
           for (int k = 0; k < K; ++k) {
             __m512 x1, x2;
@@ -368,6 +373,7 @@ struct Avx512Head : ScalarTable {
           sh[k] = _mm512_loadu_ps(tp + h + 32 * k + 16);
         }
         for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+          pf.template hint<kHeadBytes>(first, i, n, si);
 #pragma GCC unroll 8
           for (int k = 0; k < K; ++k) {
             __m512 x1l, x1h, x2l, x2h;
@@ -390,6 +396,7 @@ struct Avx512Head : ScalarTable {
         s[k] = _mm512_loadu_ps(tab + R + 16 * k);
       }
       for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+        pf.template hint<kHeadBytes>(first, i, n, si);
 #pragma GCC unroll 8
         for (int k = 0; k < K; ++k) {
           const __m512 x = load16(in + 16 * k);
@@ -407,6 +414,7 @@ struct Avx512Head : ScalarTable {
         s[k] = _mm512_loadu_ps(tab + h + 16 * k);
       }
       for (int64_t i = 0; i < n; ++i, in += si, out += so) {
+        pf.template hint<kHeadBytes>(first, i, n, si);
 #pragma GCC unroll 8
         for (int k = 0; k < K; ++k) {
           const __m512 x1 = load16(in + 16 * k), x2 = load16(in + h + 16 * k);

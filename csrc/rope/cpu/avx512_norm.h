@@ -88,11 +88,14 @@ struct Avx512Norm : Avx512Head<R> {
     requires(R > 0 && !std::is_same_v<T, double>)
   __attribute__((always_inline)) static void norm_heads(const T* in, T* out, int64_t si, int64_t so,
                                                         int64_t n, const NormWeights<A>& nw,
-                                                        const A* tab, double eps) {
+                                                        const A* tab, double eps,
+                                                        const Ahead<T>& pf) {
     constexpr int V = R / 16, H = V / 2;
     const float* w = nw.w;
-    // Loads a head into x and returns its scale.
-    auto load = [&](const T* p, __m512(&x)[V]) {
+    // Loads head i into x and returns its scale (after the hint of a later head: Ahead).
+    auto load = [&](int64_t i, __m512(&x)[V]) {
+      pf.template hint<R* int(sizeof(T))>(in, i, n, si);
+      const T* p = in + i * si;
 #pragma GCC unroll 8
       for (int k = 0; k < V; ++k) x[k] = load16(p + 16 * k);
       __m512 s = _mm512_mul_ps(x[0], x[0]);
@@ -129,13 +132,13 @@ struct Avx512Norm : Avx512Head<R> {
     };
     if (n <= 0) return;
     __m512 a[V], b[V];
-    float ra = load(in, a), rb;
+    float ra = load(0, a), rb;
     for (int64_t head = 0;; head += 2) {  // a holds head `head`
       if (head + 1 == n) return finish(a, ra, out + head * so);
-      rb = load(in + (head + 1) * si, b);
+      rb = load(head + 1, b);
       finish(a, ra, out + head * so);
       if (head + 2 == n) return finish(b, rb, out + (head + 1) * so);
-      ra = load(in + (head + 2) * si, a);
+      ra = load(head + 2, a);
       finish(b, rb, out + (head + 1) * so);
     }
   }

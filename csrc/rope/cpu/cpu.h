@@ -62,5 +62,21 @@ bool isa_supported(const char* name);
 // benchmarks that compare sets in one process.
 bool set_isa(const char* name);
 
+// Software prefetch in the token loops: before a head is rotated (or
+// normalised), the head prefetch_distance() bytes further on in the loop's
+// order (rounded up to whole heads: a later head of the token, or one of the
+// next token's) is hinted into L1 (kernel.h, Ahead), so that memory keeps
+// streaming while the vector units work; 0 hints nothing. Set once, at the
+// first call: the environment variable ROPE_EXT_CPU_PREFETCH (bytes, 0 to
+// kMaxPrefetch) when it holds one, else kIntelPrefetch on Intel CPUs
+// (benchmarks/cpu-serving.md) and 0 on others, where it has not been measured.
+constexpr int64_t kMaxPrefetch = int64_t(1) << 20;
+constexpr int64_t kIntelPrefetch = 2048;
+int64_t prefetch_distance();
+
+// Makes `bytes` the prefetch distance from now on; false (and no change)
+// outside [0, kMaxPrefetch]. For tests and benchmarks.
+bool set_prefetch_distance(int64_t bytes);
+
 }  // namespace cpu
 }  // namespace rope

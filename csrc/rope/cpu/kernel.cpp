@@ -118,6 +118,24 @@ std::atomic<int>& current() {
   return index;
 }
 
+int64_t initial_prefetch() {
+  if (const char* env = std::getenv("ROPE_EXT_CPU_PREFETCH")) {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    if (*env && !*end && v >= 0 && v <= kMaxPrefetch) return v;
+  }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel")) return kIntelPrefetch;
+#endif
+  return 0;
+}
+
+std::atomic<int64_t>& prefetch() {
+  static std::atomic<int64_t> bytes{initial_prefetch()};
+  return bytes;
+}
+
 }  // namespace
 
 void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
@@ -139,6 +157,14 @@ const char* isa() { return kIsas[current().load(std::memory_order_relaxed)].name
 bool isa_supported(const char* name) {
   const int i = find(name);
   return i >= 0 && kIsas[i].supported();
+}
+
+int64_t prefetch_distance() { return prefetch().load(std::memory_order_relaxed); }
+
+bool set_prefetch_distance(int64_t bytes) {
+  if (bytes < 0 || bytes > kMaxPrefetch) return false;
+  prefetch().store(bytes, std::memory_order_relaxed);
+  return true;
 }
 
 bool set_isa(const char* name) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../rope.h"
+#include "cpu.h"
 
 namespace rope {
 namespace cpu {
@@ -86,6 +87,58 @@ struct ScalarHead : ScalarTable {
     if (copy_pass && D > r) std::memcpy(out + r, in + r, sizeof(T) * size_t(D - r));
   }
 };
+
+// Software prefetch of a head loop (cpu.h, prefetch_distance): before head i
+// of a token's n heads (at `in`, stride si) is read, head i + d is hinted into
+// L1, or past the token's last head, head i + d - n of the next token's (at
+// `next`; nullptr for the last token of the call). So every hinted line is one
+// the loop reads next, and none lies outside the tensor. d = 0: no hints.
+template <class T>
+struct Ahead {
+  const T* next = nullptr;
+  int64_t d = 0;  // at most n
+
+  // The head that head i hints (nullptr: none).
+  constexpr const T* target(const T* in, int64_t i, int64_t n, int64_t si) const {
+    if (d == 0) return nullptr;
+    return i + d < n ? in + (i + d) * si : next ? next + (i + d - n) * si : nullptr;
+  }
+  // The hint of head i: the `bytes` bytes from the first element of its target.
+  __attribute__((always_inline)) void hint(const T* in, int64_t i, int64_t n, int64_t si,
+                                           int64_t bytes) const {
+    if (const T* h = target(in, i, n, si))
+      for (int64_t x = 0; x < bytes; x += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(h) + x);
+  }
+  // The same for heads of Bytes bytes (the unrolled head loops).
+  template <int Bytes>
+  __attribute__((always_inline)) void hint(const T* in, int64_t i, int64_t n, int64_t si) const {
+    if (const T* h = target(in, i, n, si)) {
+#pragma GCC unroll 16
+      for (int x = 0; x < Bytes; x += 64) __builtin_prefetch(reinterpret_cast<const char*>(h) + x);
+    }
+  }
+};
+
+// Two tokens of three heads (stride 2) one after the other: head i of the
+// first hints head i + d of the pair, for every d up to n (a pointer outside
+// the array would not compile here); the last token hints only its own heads.
+static_assert([] {
+  int heads[12] = {};
+  for (int64_t d = 1; d <= 3; ++d)
+    for (int64_t i = 0; i < 3; ++i) {
+      if (Ahead<int>{heads + 6, d}.target(heads, i, 3, 2) != heads + 2 * (i + d)) return false;
+      const int* last = Ahead<int>{nullptr, d}.target(heads + 6, i, 3, 2);
+      if (last != (i + d < 3 ? heads + 6 + 2 * (i + d) : nullptr)) return false;
+    }
+  return Ahead<int>{heads + 6, 0}.target(heads, 0, 3, 2) == nullptr;
+}());
+
+// The heads a head loop hints ahead (Ahead::d) for heads of `head_bytes` bytes.
+inline int64_t heads_ahead(int64_t head_bytes) {
+  const int64_t bytes = cpu::prefetch_distance();
+  return bytes == 0 || head_bytes <= 0 ? 0 : (bytes + head_bytes - 1) / head_bytes;
+}
 
 // Offsets of the heads of one tensor, walked in order without divisions.
 struct HeadWalker {
@@ -205,10 +258,18 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   const int off = p.rot_offset;
   const int D = p.head_dim - off;  // features from the first rotated one to the end
   TokenTable<T, CS, Pos, Interleaved, Head> table(p);
+  const int64_t head_bytes = int64_t(D) * int64_t(sizeof(T));
+  const int64_t ahead = heads_ahead(head_bytes);
 
   for (int64_t token = begin; token < end; ++token) {
     TokenOffsets o = token_offsets(p, token);
     if (p.tok_rows) o.in[0] = o.out[0] = p.tok_rows[token];
+    TokenOffsets next{};  // the next token's, for the prefetch
+    const bool has_next = ahead && token + 1 < end;
+    if (has_next) {
+      next = token_offsets(p, token + 1);
+      if (p.tok_rows) next.in[0] = p.tok_rows[token + 1];
+    }
     const A* tab = table.build(o);
     for (int ti = 0; ti < p.n_tensors; ++ti) {
       const RotTensor& t = p.t[ti];
@@ -220,17 +281,21 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
       if (t.n_head_dims <= 1) {
         const int64_t si = t.n_head_dims ? t.in_head_stride[0] : 0;
         const int64_t so = t.n_head_dims ? t.out_head_stride[0] : 0;
+        const Ahead<T> pf{has_next ? static_cast<const T*>(t.in) + next.in[ti] + off : nullptr,
+                          std::min(ahead, t.n_heads)};
         if constexpr (requires {
                         Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, int64_t{},
-                                                                       tab, D, copy_pass);
+                                                                       tab, D, copy_pass, pf);
                       }) {
           // A head type that keeps the table in registers across the heads.
           Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, t.n_heads, tab, D,
-                                                         copy_pass);
+                                                         copy_pass, pf);
         } else {
-          for (int64_t head = 0; head < t.n_heads; ++head)
+          for (int64_t head = 0; head < t.n_heads; ++head) {
+            pf.hint(in, head, t.n_heads, si, head_bytes);
             Head::template rotate<T, Interleaved, A>(in + head * si, out + head * so, tab, r, D,
                                                      copy_pass);
+          }
         }
       } else {
         HeadWalker w(t);

@@ -148,25 +148,31 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
                                Head, PortableNorm>;
   TokenTable<T, CS, Pos, Interleaved, Head> table(p);
   std::vector<A> scales(size_t(std::max(p.t[0].n_heads, p.t[1].n_heads)));
+  const int64_t head_bytes = int64_t(D) * int64_t(sizeof(T));
+  const int64_t ahead = heads_ahead(head_bytes);  // the prefetch (Ahead)
   for (int64_t token = begin; token < end; ++token) {
     const TokenOffsets o = token_offsets(p, token);
+    const bool has_next = ahead && token + 1 < end;
+    const TokenOffsets next = has_next ? token_offsets(p, token + 1) : TokenOffsets{};
     const A* tab = table.build(o);
     for (int t = 0; t < 2; ++t) {
       const int64_t n = p.t[t].n_heads;
       const T* in = static_cast<const T*>(p.t[t].in) + o.in[t];
       T* out = static_cast<T*>(p.t[t].out) + o.out[t];
+      const Ahead<T> pf{has_next ? static_cast<const T*>(p.t[t].in) + next.in[t] : nullptr,
+                        std::min(ahead, n)};
       // The scales of all the token's heads first: independent chains of
       // dependent operations, which the CPU overlaps (head by head, each
       // chain would stall the rotation that needs it).
       if constexpr (requires {
                       Head::template norm_heads<T, Interleaved, A>(in, out, int64_t{}, int64_t{},
-                                                                   int64_t{}, nw[t], tab, 0.0);
+                                                                   int64_t{}, nw[t], tab, 0.0, pf);
                     }) {
         // A head type that does each whole head in one pass, in registers.
         if (r == D && p.t[t].n_head_dims <= 1) {
           const int64_t si = p.t[t].n_head_dims ? p.t[t].in_head_stride[0] : 0;
           const int64_t so = p.t[t].n_head_dims ? p.t[t].out_head_stride[0] : 0;
-          Head::template norm_heads<T, Interleaved, A>(in, out, si, so, n, nw[t], tab, np.eps);
+          Head::template norm_heads<T, Interleaved, A>(in, out, si, so, n, nw[t], tab, np.eps, pf);
           continue;
         }
       }
