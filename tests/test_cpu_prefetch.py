@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ISAS = [i for i in ops.CPU_ISAS if torch.ops.rope_ext._cpu_isa_supported(i)]
 # 0: no hints; 64: one head ahead; 2048: Intel's default; the largest: every head hints the next token's.
 DISTANCES = [0, 64, 2048, ops.CPU_MAX_PREFETCH]
-T, HQ, HK = 13, 5, 2
+HQ, HK = 8, 2
 
 
 @pytest.fixture
@@ -34,19 +34,22 @@ def restore():
     rope_ext._set_cpu_prefetch(distance)
 
 
+def _tokens(dtype, head_dim):
+    """Tokens whose q and k heads hold 2 MiB: the kernels prefetch only in calls over 1 MiB of heads
+    (kernel.h, kPrefetchMinBytes)."""
+    return (2 << 20) // ((HQ + HK) * head_dim * dtype.itemsize) + 1
+
+
 def _views(qkv, head_dim):
     """q, k, v of a packed qkv: the next token's heads lie past the token's v."""
     a, b = HQ * head_dim, (HQ + HK) * head_dim
-    return (
-        qkv[:, :a].view(T, HQ, head_dim),
-        qkv[:, a:b].view(T, HK, head_dim),
-        qkv[:, b:].view(T, HK, head_dim),
-    )
+    return tuple(t.unflatten(1, (-1, head_dim)) for t in (qkv[:, :a], qkv[:, a:b], qkv[:, b:]))
 
 
 def _ops_outputs(dtype, head_dim, interleaved):
     """Every CPU op with a prefetching head loop, on separate q, k and on views of one packed qkv."""
     g = torch.Generator().manual_seed(head_dim)
+    T = _tokens(dtype, head_dim)
     qkv = torch.randn(T, (HQ + 2 * HK) * head_dim, generator=g).to(dtype)
     pos = torch.randint(0, 512, (T,), generator=g)
     cs = rope_ext.RopeCache(head_dim, max_positions=512).cos_sin

@@ -134,10 +134,19 @@ static_assert([] {
   return Ahead<int>{heads + 6, 0}.target(heads, 0, 3, 2) == nullptr;
 }());
 
-// The heads a head loop hints ahead (Ahead::d) for heads of `head_bytes` bytes.
-inline int64_t heads_ahead(int64_t head_bytes) {
+// The heads a head loop of the call `p` hints ahead (Ahead::d) for heads of
+// `head_bytes` bytes: none for a call whose rotated heads hold less than
+// kPrefetchMinBytes (their lines are mostly in cache already: a decode step,
+// which the hints would only slow), else prefetch_distance() in whole heads.
+constexpr int64_t kPrefetchMinBytes = int64_t(1) << 20;
+
+inline int64_t heads_ahead(const RopeParams& p, int64_t head_bytes) {
   const int64_t bytes = cpu::prefetch_distance();
-  return bytes == 0 || head_bytes <= 0 ? 0 : (bytes + head_bytes - 1) / head_bytes;
+  int64_t heads = 0;
+  for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
+  if (bytes == 0 || head_bytes <= 0 || p.n_tokens * heads * head_bytes < kPrefetchMinBytes)
+    return 0;
+  return (bytes + head_bytes - 1) / head_bytes;
 }
 
 // Offsets of the heads of one tensor, walked in order without divisions.
@@ -259,13 +268,13 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   const int D = p.head_dim - off;  // features from the first rotated one to the end
   TokenTable<T, CS, Pos, Interleaved, Head> table(p);
   const int64_t head_bytes = int64_t(D) * int64_t(sizeof(T));
-  const int64_t ahead = heads_ahead(head_bytes);
+  const int64_t ahead = heads_ahead(p, head_bytes);
 
   for (int64_t token = begin; token < end; ++token) {
     TokenOffsets o = token_offsets(p, token);
     if (p.tok_rows) o.in[0] = o.out[0] = p.tok_rows[token];
-    TokenOffsets next{};  // the next token's, for the prefetch
-    const bool has_next = ahead && token + 1 < end;
+    TokenOffsets next{};                                    // the next token's, for the prefetch
+    const bool has_next = ahead && token + 1 < p.n_tokens;  // (maybe another thread's)
     if (has_next) {
       next = token_offsets(p, token + 1);
       if (p.tok_rows) next.in[0] = p.tok_rows[token + 1];

@@ -166,24 +166,24 @@ template <class T>
 void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, int64_t end,
                 bool stream) {
   const RopeParams& p = cp.rope;
-  const RopeParams r = slice_tokens(p, begin, end);
   const int64_t n = end - begin, hq = p.t[0].n_heads, D = p.head_dim;
+  // The call's params, not a slice of the step: its head loops prefetch as for the whole call.
   if (!rotates_k_apart(cp)) {
-    rotate_tokens(r, 0, n);
+    rotate_tokens(p, begin, end);
   } else {
-    RopeParams rk = r;  // k in place
+    RopeParams rk = p;  // k in place
     rk.n_tensors = 1;
-    rk.t[0] = r.t[1];
+    rk.t[0] = p.t[1];
     rk.head_dim = cp.k_dim;
     rk.rot_offset = cp.k_rot_offset;
-    rotate_tokens(rk, 0, n);
+    rotate_tokens(rk, begin, end);
   }
   // q apart of its dtype was rotated by rotate_and_cache_tokens, for all its tokens at once
   if (cp.q_fp8 != Fp8::kNone) {
     // q: rotated into a row-major scratch of q's dtype, then quantized.
     thread_local std::vector<T> scratch;
     scratch.resize(size_t(n * hq * D));
-    RopeParams rq = r;
+    RopeParams rq = slice_tokens(p, begin, end);
     rq.n_tensors = 1;
     rq.inverse = cp.q_inverse;
     RotTensor& t = rq.t[0];

@@ -149,10 +149,10 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
   TokenTable<T, CS, Pos, Interleaved, Head> table(p);
   std::vector<A> scales(size_t(std::max(p.t[0].n_heads, p.t[1].n_heads)));
   const int64_t head_bytes = int64_t(D) * int64_t(sizeof(T));
-  const int64_t ahead = heads_ahead(head_bytes);  // the prefetch (Ahead)
+  const int64_t ahead = heads_ahead(p, head_bytes);  // the prefetch (Ahead)
   for (int64_t token = begin; token < end; ++token) {
     const TokenOffsets o = token_offsets(p, token);
-    const bool has_next = ahead && token + 1 < end;
+    const bool has_next = ahead && token + 1 < p.n_tokens;
     const TokenOffsets next = has_next ? token_offsets(p, token + 1) : TokenOffsets{};
     const A* tab = table.build(o);
     for (int t = 0; t < 2; ++t) {
