@@ -159,8 +159,11 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
       const int64_t n = p.t[t].n_heads;
       const T* in = static_cast<const T*>(p.t[t].in) + o.in[t];
       T* out = static_cast<T*>(p.t[t].out) + o.out[t];
+      // The hints of a tensor with at most one head dim (heads at in + i * si).
+      const bool flat = p.t[t].n_head_dims <= 1;
+      const int64_t si = p.t[t].n_head_dims ? p.t[t].in_head_stride[0] : 0;
       const Ahead<T> pf{has_next ? static_cast<const T*>(p.t[t].in) + next.in[t] : nullptr,
-                        std::min(ahead, n)};
+                        flat ? std::min(ahead, n) : 0};
       // The scales of all the token's heads first: independent chains of
       // dependent operations, which the CPU overlaps (head by head, each
       // chain would stall the rotation that needs it).
@@ -169,8 +172,7 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
                                                                    int64_t{}, nw[t], tab, 0.0, pf);
                     }) {
         // A head type that does each whole head in one pass, in registers.
-        if (r == D && p.t[t].n_head_dims <= 1) {
-          const int64_t si = p.t[t].n_head_dims ? p.t[t].in_head_stride[0] : 0;
+        if (r == D && flat) {
           const int64_t so = p.t[t].n_head_dims ? p.t[t].out_head_stride[0] : 0;
           Head::template norm_heads<T, Interleaved, A>(in, out, si, so, n, nw[t], tab, np.eps, pf);
           continue;
@@ -182,12 +184,17 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
         if (D % 16 == 0)
           for (; head + 8 <= n; head += 8) {
             const T* heads[8];
-            for (int k = 0; k < 8; ++k, w.next()) heads[k] = in + w.in;
+            for (int k = 0; k < 8; ++k, w.next()) {
+              heads[k] = in + w.in;
+              pf.hint(in, head + k, n, si, head_bytes);
+            }
             N::norm_scales8(heads, D, np.eps, &scales[size_t(head)]);
           }
       }
-      for (; head < n; ++head, w.next())
+      for (; head < n; ++head, w.next()) {
+        pf.hint(in, head, n, si, head_bytes);
         scales[size_t(head)] = N::template norm_scale<T, A>(in + w.in, D, np.eps);
+      }
       HeadWalker v(p.t[t]);
       for (int64_t head = 0; head < n; ++head, v.next())
         N::template norm_rotate<T, Interleaved, A>(in + v.in, out + v.out, nw[t], tab, r, off, D,
