@@ -142,9 +142,10 @@ constexpr int64_t kPrefetchMinBytes = int64_t(1) << 20;
 
 inline int64_t heads_ahead(const RopeParams& p, int64_t head_bytes) {
   const int64_t bytes = cpu::prefetch_distance();
-  int64_t heads = 0;
-  for (int t = 0; t < p.n_tensors; ++t) heads += p.t[t].n_heads;
-  if (bytes == 0 || head_bytes <= 0 || p.n_tokens * heads * head_bytes < kPrefetchMinBytes)
+  double heads = 0;  // the product in doubles: an expanded input's sizes may overflow int64
+  for (int t = 0; t < p.n_tensors; ++t) heads += double(p.t[t].n_heads);
+  if (bytes == 0 || head_bytes <= 0 ||
+      double(p.n_tokens) * heads * double(head_bytes) < double(kPrefetchMinBytes))
     return 0;
   return (bytes + head_bytes - 1) / head_bytes;
 }
