@@ -38,7 +38,9 @@ if _isa_env and _isa_env not in CPU_ISAS:
 # The CPU kernel's software prefetch distance in bytes: at most 1 MiB (cpu.h, kMaxPrefetch).
 CPU_MAX_PREFETCH = 1 << 20
 _prefetch_env = os.environ.get("ROPE_EXT_CPU_PREFETCH")
-if _prefetch_env and not (_prefetch_env.isdigit() and int(_prefetch_env) <= CPU_MAX_PREFETCH):
+if _prefetch_env and not (
+    _prefetch_env.isascii() and _prefetch_env.isdigit() and int(_prefetch_env) <= CPU_MAX_PREFETCH
+):
     raise ValueError(
         f"ROPE_EXT_CPU_PREFETCH must be a number of bytes from 0 to {CPU_MAX_PREFETCH}, got {_prefetch_env!r}"
     )

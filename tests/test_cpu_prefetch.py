@@ -128,7 +128,7 @@ def test_distance_from_the_environment_or_the_vendor():
     assert _child("0").stdout.strip() == "0"
     intel = "GenuineIntel" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
     assert _child(None).stdout.strip() == ("2048" if intel else "0")
-    for bad in ["-5", "2k", str(ops.CPU_MAX_PREFETCH + 1), " 64"]:
+    for bad in ["-5", "2k", str(ops.CPU_MAX_PREFETCH + 1), " 64", "\u00b2"]:
         child = _child(bad)
         assert child.returncode != 0
         assert (

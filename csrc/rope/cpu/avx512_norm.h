@@ -90,11 +90,11 @@ struct Avx512Norm : Avx512Head<R> {
                                                         int64_t n, const NormWeights<A>& nw,
                                                         const A* tab, double eps,
                                                         const Ahead<T>& pf) {
-    constexpr int V = R / 16, H = V / 2;
+    constexpr int V = R / 16, H = V / 2, kHeadBytes = R * int(sizeof(T));
     const float* w = nw.w;
     // Loads head i into x and returns its scale (after the hint of a later head: Ahead).
     auto load = [&](int64_t i, __m512(&x)[V]) {
-      pf.template hint<R* int(sizeof(T))>(in, i, n, si);
+      pf.template hint<kHeadBytes>(in, i, n, si);
       const T* p = in + i * si;
 #pragma GCC unroll 8
       for (int k = 0; k < V; ++k) x[k] = load16(p + 16 * k);
