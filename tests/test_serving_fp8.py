@@ -18,7 +18,8 @@ from _serving_cache_helpers import (
     same_bits,
 )
 
-from rope_ext import reference
+import rope_ext
+from rope_ext import ops, reference
 
 # ---------------------------------------------------------------------------------------------------------
 # fp8: saturation, infinities, NaN, and the conversion against torch's over the whole range.
@@ -97,13 +98,16 @@ def test_fp8_conversion_bit_exact_against_torch(scale, fp8, backend):
     assert same_bits(got, (c.v / c.v_scale).clamp(-m, m).to(fp8))
 
 
+@pytest.mark.parametrize("isa", [i for i in ops.CPU_ISAS if torch.ops.rope_ext._cpu_isa_supported(i)])
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
-def test_fp8_tables_every_16_bit_value(dtype, fp8):
+def test_fp8_tables_every_16_bit_value(dtype, fp8, isa):
     """A CPU call that quantizes 4 * 65536 values or more of one 16-bit tensor looks them up in a table of
-    every bit pattern (cpu/kv_cache.cpp). Here q (to an fp8 q_out), k and v have that many values each, v
-    holds every pattern of its dtype four times (infinities, NaNs, subnormals, both zeros), and every
-    written bit must be the reference's, as for the row kernel: a table built wrong fails here."""
+    every bit pattern (cpu/kv_cache.cpp) where the instruction set's row kernel is slower than a lookup
+    (portable, AVX2), and runs the row kernel on every value elsewhere (AVX-512). Here q (to an fp8 q_out),
+    k and v have that many values each, v holds every pattern of its dtype four times (infinities, NaNs,
+    subnormals, both zeros), and every written bit must be the reference's in every set: a table built
+    wrong, or a row kernel wrong for one pattern, fails here."""
     gen = torch.Generator().manual_seed(11)
     T, H, D = 256, 8, 128  # T * H * D = 4 * 65536
     c = build(dtype, T=T, Hq=H, Hk=H, D=D, cache_dtype=fp8, q_out=fp8, slots="all", seed=3)
@@ -111,7 +115,11 @@ def test_fp8_tables_every_16_bit_value(dtype, fp8):
     c.v.copy_(every.repeat(4)[torch.randperm(4 << 16, generator=gen)].view(c.v.shape))
     c.k_scale, c.v_scale, c.q_scale = torch.tensor([0.02]), torch.tensor([0.015]), torch.tensor([3.7])
     s = c.snapshot()
-    run(c, "cpu")
+    previous = rope_ext._set_cpu_isa(isa)
+    try:
+        run(c, "cpu")
+    finally:
+        rope_ext._set_cpu_isa(previous)
     check(c, s, "cpu")
     m = reference.FP8_MAX[fp8]
     rows = c.value_cache.reshape(-1, H, D)[c.slot_mapping]

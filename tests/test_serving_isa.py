@@ -72,6 +72,46 @@ def test_fp8_cache_rows_bit_exact(isa, fp8, dtype, dim):
     assert torch.equal(_fp8_bits(vc), _fp8_bits(want_v))
 
 
+def _midpoints(fp8) -> torch.Tensor:
+    """Every fp8 code as float32, every midpoint between neighbouring finite codes (ties to even) and the
+    float32 neighbours of each midpoint, with both signs."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    finite = codes[codes.isfinite()].unique()
+    mid = (finite[1:] + finite[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    x = torch.cat([codes, mid, mid.nextafter(inf), mid.nextafter(-inf)])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-20, 0.37], ids=["1", "2^-20", "0.37"])
+@pytest.mark.parametrize("dim", [64, 130])
+def test_fp8_rows_midpoints_bit_exact(isa, fp8, scale, dim):
+    """float32 v rows of 64 values and more (the AVX-512 kernel's 64-value step, then 16, then a masked
+    tail) holding every code, midpoint and midpoint neighbour times the scale: the cache holds torch's
+    conversion of the saturated quotient, bit for bit, in every set (powers of two multiply by the
+    reciprocal, 0.37 divides)."""
+    g = torch.Generator().manual_seed(dim)
+    vals = _midpoints(fp8)
+    H = 2
+    T = -(-vals.numel() // (H * dim))
+    vals = torch.cat([vals, _specials(T * H * dim - vals.numel(), g)])
+    v = (vals[torch.randperm(vals.numel(), generator=g)].double() * scale).float().view(T, H, dim)
+    k = torch.randn(T, H, dim, generator=g)
+    q = torch.randn(T, 1, dim, generator=g)
+    cs = reference.cos_sin_table(T, 2).float()
+    kc = torch.zeros(T, 1, H, dim, dtype=fp8)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(T, generator=g)
+    vs = torch.tensor([scale])
+    rope_ext.apply_rotary_qk_and_cache_(
+        q, k, v, torch.zeros(T, dtype=torch.long), cs, kc, vc, slots, k_scale=vs, v_scale=vs
+    )
+    m = reference.FP8_MAX[fp8]
+    want = (v / vs).clamp(-m, m).to(fp8)
+    assert torch.equal(_fp8_bits(vc[slots, 0]), _fp8_bits(want))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [8, 40, 130, 512])
 def test_qk_norm_pass_features_identical_across_sets(dtype, dim):

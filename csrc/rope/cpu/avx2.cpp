@@ -563,7 +563,8 @@ void store_fence() { _mm_sfence(); }
 const cpu::RowOps cpu::detail::kRowsAvx2{{host::quant_row8<float>, host::quant_row<double>,
                                           host::quant_row8<Half>, host::quant_row8<BFloat16>},
                                          host::copy_row_nt,
-                                         host::store_fence};
+                                         host::store_fence,
+                                         true};
 
 void cpu::detail::rotate_tokens_avx2(const RopeParams& p, int64_t begin, int64_t end) {
   host::rotate_tokens_unrolled<host::Avx2Head>(p, begin, end);

@@ -52,6 +52,7 @@ const rope::cpu::RowOps rope::cpu::detail::kRowsAvx512{
     {host::quant_row16<float>, host::quant_row<double>, host::quant_row16<Half>,
      host::quant_row16<BFloat16>},
     host::copy_row_nt64,
-    host::store_fence512};
+    host::store_fence512,
+    false};
 
 #endif

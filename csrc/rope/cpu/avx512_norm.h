@@ -93,7 +93,7 @@ struct Avx512Norm : Avx512Head<R> {
     constexpr int V = R / 16, H = V / 2, kHeadBytes = R * int(sizeof(T));
     const float* w = nw.w;
     // Loads head i into x and returns its scale (after the hint of a later head: Ahead).
-    auto load = [&](int64_t i, __m512(&x)[V]) {
+    auto load = [&](int64_t i, __m512(&x)[V]) __attribute__((always_inline)) {
       pf.template hint<kHeadBytes>(in, i, n, si);
       const T* p = in + i * si;
 #pragma GCC unroll 8
@@ -107,7 +107,7 @@ struct Avx512Norm : Avx512Head<R> {
       return rms_inverse<float>(_mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))), R, eps);
     };
     // Normalises, rotates and stores the head in x with scale rms.
-    auto finish = [&](__m512(&x)[V], float rms, T* o) {
+    auto finish = [&](__m512(&x)[V], float rms, T* o) __attribute__((always_inline)) {
       const __m512 vr = _mm512_set1_ps(rms);
       __m512 y[V];
 #pragma GCC unroll 8

@@ -1,7 +1,8 @@
 // The AVX-512 row kernel of the serving ops (cpu/fp8_rows.h), included by cpu/avx512.cpp after
-// cpu/avx512_kernel.h: the fp8 quantization of a row sixteen lanes at a time with a masked tail,
-// and cache-row copies with 64-byte streaming stores. The bits of the portable and AVX2 row kernels
-// (saturate, round to nearest even: float_to_e4m3 / float_to_e5m2 of serving.h). Torch-free.
+// cpu/avx512_kernel.h: the fp8 quantization of a row in 64-byte stores (sixteen lanes per vector,
+// a masked tail), and cache-row copies with 64-byte streaming stores. The bits of the portable and
+// AVX2 row kernels (saturate, round to nearest even: float_to_e4m3 / float_to_e5m2 of serving.h).
+// Torch-free.
 #pragma once
 
 #include "avx512_kernel.h"
@@ -11,52 +12,61 @@ namespace rope {
 inline namespace ROPE_ISA {
 namespace host {
 
-// fp8 bits of sixteen scaled and saturated floats (float_to_e4m3 / float_to_e5m2).
+// fp8 bits of sixteen scaled floats already clamped to the type's finite range (or NaN), in the low
+// byte of each 32-bit lane (float_to_e4m3 / float_to_e5m2 of values within the range): normal
+// results rounded in the integer bits, subnormal ones by a float addition. The largest finite value
+// encodes to 0x7e (e4m3) / 0x7b (e5m2); a NaN's larger bits give more than 0x7f and are clamped to
+// 0x7f, the NaN of both types. The sign is bit 31 moved to bit 7.
 template <bool E4>
-inline __m128i fp8_bits16(__m512 v) {
+inline __m512i fp8_lanes16(__m512 v) {
   constexpr int kShift = E4 ? 20 : 21;
   constexpr uint32_t kBias =
       E4 ? (uint32_t(7 - 127) << 23) + 0x7ffffu : (uint32_t(15 - 127) << 23) + 0xfffffu;
   constexpr uint32_t kDenorm = E4 ? 141u << 23 : 134u << 23;
   constexpr uint32_t kSmall = E4 ? 121u << 23 : 113u << 23;
-  constexpr uint32_t kBig = E4 ? 1087u << 20 : 143u << 23;
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(int(0x80000000u)));
-  u = _mm512_xor_si512(u, sign);  // |v|: below 2^31, so signed compares hold
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, kShift), _mm512_set1_epi32(1));
-  const __m512i normal = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(int(kBias))), odd), kShift);
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));  // |v|
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kShift), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_min_epu32(
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int(kBias))), odd),
+                        kShift),
+      _mm512_set1_epi32(0x7f));
   const __m512i dc = _mm512_set1_epi32(int(kDenorm));
   const __m512i denorm = _mm512_sub_epi32(
-      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(dc))), dc);
-  __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(u, _mm512_set1_epi32(int(kSmall))),
-                                      normal, denorm);
-  __m512i special = _mm512_set1_epi32(0x7f);
-  if constexpr (!E4)
-    special = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(u, _mm512_set1_epi32(0x7f800000)),
-                                      _mm512_set1_epi32(0x7c), special);
-  r = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(u, _mm512_set1_epi32(int(kBig))), r, special);
-  r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xff)), _mm512_srli_epi32(sign, 24));
-  return _mm512_cvtepi32_epi8(r);
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(dc))), dc);
+  const __m512i r = _mm512_mask_blend_epi32(
+      _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(int(kSmall))), normal, denorm);
+  // bits 0-6 from r, bit 7 (and the zero bits above it) from u >> 24
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x7f), 0xE4);
 }
 
+// Sixty-four values quantized at a time (four vectors packed to bytes by two saturating packs,
+// whose per-128-bit-lane order one dword permutation undoes), then sixteen, then a masked tail.
 template <class T, bool E4>
 void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale) {
   const float inv = exact_reciprocal(scale);
   const __m512 s = _mm512_set1_ps(inv != 0 ? inv : scale);
   const __m512 hi = _mm512_set1_ps(fp8_max(E4 ? Fp8::kE4M3 : Fp8::kE5M2)),
                lo = _mm512_sub_ps(_mm512_setzero_ps(), hi);
-  auto bits = [&](__m512 v) {
+  auto bits = [&](__m512 v) __attribute__((always_inline)) {
     v = inv != 0 ? _mm512_mul_ps(v, s) : _mm512_div_ps(v, s);
     // min / max return their second operand when one is NaN: NaN is kept.
-    return fp8_bits16<E4>(_mm512_max_ps(lo, _mm512_min_ps(hi, v)));
+    return fp8_lanes16<E4>(_mm512_max_ps(lo, _mm512_min_ps(hi, v)));
   };
+  // dword 4 * lane + k of the packed bytes holds vector k's values 4 * lane .. 4 * lane + 3
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i ab = _mm512_packus_epi32(bits(load16(x + i)), bits(load16(x + i + 16)));
+    const __m512i cd = _mm512_packus_epi32(bits(load16(x + i + 32)), bits(load16(x + i + 48)));
+    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd)));
+  }
   for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bits(load16(x + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm512_cvtepi32_epi8(bits(load16(x + i))));
   if (i < n) {
     const __mmask16 m = lanes(int(n - i));
-    _mm_mask_storeu_epi8(dst + i, m, bits(load16(x + i, m)));
+    _mm_mask_storeu_epi8(dst + i, m, _mm512_cvtepi32_epi8(bits(load16(x + i, m))));
   }
 }
 

@@ -25,6 +25,11 @@ struct RowOps {
   // row, before the op returns.
   void (*copy)(const void* x, void* dst, int64_t bytes);
   void (*fence)();
+  // Whether a call that quantizes many 16-bit values looks them up in a table
+  // made by quant (kv_cache.cpp, Fp8Tables): where quant costs more than a
+  // lookup per value (the portable and AVX2 kernels), not where it costs less
+  // (AVX-512: benchmarks/cpu-serving.md).
+  bool tables;
 };
 
 // The row kernels of the instruction set in use (cpu/kernel.cpp).
@@ -67,7 +72,8 @@ inline void no_fence() {}
 inline constexpr cpu::RowOps kPortableRows{
     {quant_row<float>, quant_row<double>, quant_row<Half>, quant_row<BFloat16>},
     copy_row,
-    no_fence};
+    no_fence,
+    true};
 
 }  // namespace host
 }  // namespace ROPE_ISA

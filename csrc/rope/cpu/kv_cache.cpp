@@ -61,7 +61,7 @@ int64_t row_offset(const RopeParams& p, int t, int64_t token, int64_t head) {
 // about 30 vector operations per 8 values on AVX2). The bits are the row
 // kernel's. A table costs about what quantizing 65536 values does, so a
 // tensor gets one from kTableMinValues values in the call; each thread
-// builds its own.
+// builds its own. Only for row kernels slower than a lookup (RowOps::tables).
 constexpr int64_t kTableMinValues = int64_t(4) << 16;
 
 // A scale read on the host (the CPU op's tensors): the value, 1 when absent.
@@ -98,6 +98,7 @@ struct Fp8Tables {
   static Fp8Tables make(const CacheParams& cp) {
     Fp8Tables f;
     if constexpr (kTableType<T>) {
+      if (!row_ops().tables) return f;
       const RopeParams& p = cp.rope;
       const int64_t n = p.n_tokens;
       const bool fp8 = cp.cache_fp8 != Fp8::kNone;
