@@ -245,19 +245,28 @@ def test_qk_norm_whole_heads_special_values_identical_across_sets(interleaved, d
         assert torch.equal(run(name).view(bits), want.view(bits)), name
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cache_write_streamed_rows_equal_one_token_calls(isa, dtype):
-    """A call whose cache rows add up to 1 MiB or more writes them with streaming stores (the vector sets),
-    a decode step with plain stores: the same bytes, and the rows of the slots not named stay as they were."""
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float32, torch.float8_e5m2),
+    ],
+)
+def test_cache_write_streamed_rows_equal_one_token_calls(isa, dtype, cache_dtype):
+    """A call whose cache rows (copied, or quantized to fp8) add up to 1 MiB or more writes them with
+    streaming stores (the vector sets; fp8: AVX-512), a decode step with plain stores: the same bytes, and
+    the rows of the slots not named stay as they were."""
     g = torch.Generator().manual_seed(7)
     T, Hq, Hk, D, bs = 520, 4, 8, 128, 16
-    assert T * Hk * 2 * D * dtype.itemsize >= 1 << 20
+    assert T * Hk * 2 * D * cache_dtype.itemsize >= 1 << 20
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype)
     slots = torch.randperm(2 * T, generator=g)[:T]
     slots[::37] = -1  # padding: not written
     cs = reference.cos_sin_table(64, D).float()
     positions = torch.randint(0, 64, (T,), generator=g)
-    caches = torch.randn(2, 2 * T // bs, bs, Hk, D, generator=g).to(dtype)
+    caches = torch.randn(2, 2 * T // bs, bs, Hk, D, generator=g).to(cache_dtype)
     results = []
     for per_token in (False, True):
         x, c = qkv.clone(), caches.clone()

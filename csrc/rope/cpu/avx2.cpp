@@ -526,7 +526,7 @@ inline __m256i fp8_bits8(__m256 v, Fp8 t) {
 }
 
 template <class T>
-void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
+void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t, bool) {
   const T* x = static_cast<const T*>(xv);
   const float inv = exact_reciprocal(scale);
   const __m256 s = _mm256_set1_ps(inv != 0 ? inv : scale);

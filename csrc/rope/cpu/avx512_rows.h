@@ -43,7 +43,7 @@ inline __m512i fp8_lanes16(__m512 v) {
 // Sixty-four values quantized at a time (four vectors packed to bytes by two saturating packs,
 // whose per-128-bit-lane order one dword permutation undoes), then sixteen, then a masked tail.
 template <class T, bool E4>
-void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale) {
+void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) {
   const float inv = exact_reciprocal(scale);
   const __m512 s = _mm512_set1_ps(inv != 0 ? inv : scale);
   const __m512 hi = _mm512_set1_ps(fp8_max(E4 ? Fp8::kE4M3 : Fp8::kE5M2)),
@@ -59,7 +59,11 @@ void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale) {
   for (; i + 64 <= n; i += 64) {
     const __m512i ab = _mm512_packus_epi32(bits(load16(x + i)), bits(load16(x + i + 16)));
     const __m512i cd = _mm512_packus_epi32(bits(load16(x + i + 32)), bits(load16(x + i + 48)));
-    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd)));
+    const __m512i r = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd));
+    if (stream && reinterpret_cast<uintptr_t>(dst + i) % 64 == 0)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), r);
+    else
+      _mm512_storeu_si512(dst + i, r);
   }
   for (; i + 16 <= n; i += 16)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
@@ -71,9 +75,9 @@ void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale) {
 }
 
 template <class T>
-void quant_row16(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t) {
-  if (t == Fp8::kE4M3) return quant_row16<T, true>(static_cast<const T*>(x), dst, n, scale);
-  quant_row16<T, false>(static_cast<const T*>(x), dst, n, scale);
+void quant_row16(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t, bool stream) {
+  if (t == Fp8::kE4M3) return quant_row16<T, true>(static_cast<const T*>(x), dst, n, scale, stream);
+  quant_row16<T, false>(static_cast<const T*>(x), dst, n, scale, stream);
 }
 
 // Rows whose start and length are multiples of 64 bytes (cache rows of D >= 32 16-bit values in a

@@ -16,8 +16,11 @@ namespace cpu {
 // Function tables indexed by DType (float32, float64, float16, bfloat16),
 // and the cache-row copy.
 struct RowOps {
-  // dst[0, n) = quantize_fp8(x[i], scale, t) (serving.h).
-  void (*quant[4])(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t);
+  // dst[0, n) = quantize_fp8(x[i], scale, t) (serving.h). stream: a KV-cache
+  // row of a call that writes many, which the AVX-512 kernel writes with
+  // non-temporal stores where whole aligned 64-byte blocks allow (as copy
+  // does; then the thread calls fence() after its last row).
+  void (*quant[4])(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t, bool stream);
   // dst[0, bytes) = x[0, bytes): a KV-cache row of a call that writes many
   // (kv_cache.cpp: kStreamMinBytes). The vector builds write whole aligned
   // rows with non-temporal stores (a row is written once, to a line not in
@@ -47,7 +50,7 @@ inline namespace ROPE_ISA {
 namespace host {
 
 template <class T>
-void quant_row(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t) {
+void quant_row(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t, bool) {
   const T* x = static_cast<const T*>(xv);
   for (int64_t i = 0; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
 }

@@ -71,7 +71,8 @@ template <class T>
 constexpr bool kTableType = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
 
 template <class T>
-void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale, Fp8 t, const uint8_t* table) {
+void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale, Fp8 t, const uint8_t* table,
+                  bool stream) {
   if constexpr (kTableType<T>) {
     if (table) {
       int64_t i = 0;
@@ -85,7 +86,7 @@ void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale, Fp8 t, const
       return;
     }
   }
-  row_ops().quant[int(dtype_of<T>())](x, dst, n, scale, t);
+  row_ops().quant[int(dtype_of<T>())](x, dst, n, scale, t, stream);
 }
 
 // The tables of a call's fp8 outputs (nullptr: the row kernel).
@@ -122,23 +123,23 @@ struct Fp8Tables {
     T x[256];
     for (int base = 0; base < (1 << 16); base += 256) {
       for (int i = 0; i < 256; ++i) x[i].bits = uint16_t(base + i);
-      row_ops().quant[int(dtype_of<T>())](x, table + base, 256, scale, t);
+      row_ops().quant[int(dtype_of<T>())](x, table + base, 256, scale, t, false);
     }
     return table;
   }
 };
 
-// A call whose copied cache rows add up to kStreamMinBytes or more writes them
-// with streaming stores (no read for ownership of lines it will not read
-// again); a smaller one, a decode step, with plain stores: its few rows skip
-// the store fence, and stay in cache for the attention that reads them next.
+// A call whose cache rows (copied, or quantized to fp8) add up to
+// kStreamMinBytes or more writes them with streaming stores (no read for ownership of lines it will
+// not read again); a smaller one, a decode step, with plain stores: its few rows skip the store
+// fence, and stay in cache for the attention that reads them next.
 constexpr int64_t kStreamMinBytes = int64_t(1) << 20;
 
 template <class T>
 bool streams_rows(const CacheParams& cp) {
   const int64_t tokens = cp.pages.batch ? cp.pages.n_tokens : cp.n_slots;
-  return cp.cache_fp8 == Fp8::kNone &&
-         tokens * cp.n_kv_heads * (cp.k_dim + cp.v_dim) * int64_t(sizeof(T)) >= kStreamMinBytes;
+  const int64_t es = cp.cache_fp8 == Fp8::kNone ? int64_t(sizeof(T)) : 1;
+  return tokens * cp.n_kv_heads * (cp.k_dim + cp.v_dim) * es >= kStreamMinBytes;
 }
 
 // Stores one row of n values of T into a cache row (a copy, or fp8); `row`:
@@ -148,7 +149,7 @@ void store_row(const T* x, const CacheParams& cp, const PagedCache& c, int64_t r
                int64_t n, float scale, const uint8_t* table, bool stream) {
   const int64_t off = row + head * c.head_stride;
   if (cp.cache_fp8 != Fp8::kNone)
-    quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8, table);
+    quantize_row(x, static_cast<uint8_t*>(c.data) + off, n, scale, cp.cache_fp8, table, stream);
   else if (stream)
     row_ops().copy(x, static_cast<T*>(c.data) + off, n * int64_t(sizeof(T)));
   else
@@ -199,7 +200,7 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
         quantize_row(
             scratch.data() + (i * hq + h) * D,
             static_cast<uint8_t*>(cp.q8) + (begin + i) * cp.q8_tok_stride + h * cp.q8_head_stride,
-            D, scale, cp.q_fp8, tables.q);
+            D, scale, cp.q_fp8, tables.q, false);  // q_out, read by the attention next
   }
   const float k_scale = scale_value(cp.key_cache.scale);
   const float v_scale = scale_value(cp.value_cache.scale);

@@ -94,7 +94,7 @@ void rerotate_tokens(const RerotateParams& rp, int64_t begin, int64_t end) {
     r.t[0].in_head_stride[0] = r.t[0].out_head_stride[0] = R;
     rotate_tokens(r, 0, 1);
     for (int64_t h = 0; h < hk; ++h)
-      quant(scratch.data() + h * R, codes + h * hs, R, scale, rp.fp8);
+      quant(scratch.data() + h * R, codes + h * hs, R, scale, rp.fp8, false);
   }
 }
 
