@@ -84,13 +84,16 @@ def _midpoints(fp8) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("scale", [1.0, 2.0**-20, 0.37], ids=["1", "2^-20", "0.37"])
+@pytest.mark.parametrize(
+    "scale", [1.0, 2.0**-20, 0.37, 0.0234, 1.3e-12], ids=["1", "2^-20", "0.37", "0.0234", "1.3e-12"]
+)
 @pytest.mark.parametrize("dim", [64, 130])
 def test_fp8_rows_midpoints_bit_exact(isa, fp8, scale, dim):
     """float32 v rows of 64 values and more (the AVX-512 kernel's 64-value step, then 16, then a masked
     tail) holding every code, midpoint and midpoint neighbour times the scale: the cache holds torch's
-    conversion of the saturated quotient, bit for bit, in every set (powers of two multiply by the
-    reciprocal, 0.37 divides)."""
+    conversion of the saturated quotient, bit for bit, in every set. Powers of two multiply by the
+    reciprocal; 0.37 and 0.0234 take the AVX-512 kernel's corrected product (Markstein), 1.3e-12 (outside
+    [2^-32, 2^32]) its division; the other sets divide."""
     g = torch.Generator().manual_seed(dim)
     vals = _midpoints(fp8)
     H = 2
@@ -110,6 +113,29 @@ def test_fp8_rows_midpoints_bit_exact(isa, fp8, scale, dim):
     m = reference.FP8_MAX[fp8]
     want = (v / vs).clamp(-m, m).to(fp8)
     assert torch.equal(_fp8_bits(vc[slots, 0]), _fp8_bits(want))
+
+
+@pytest.mark.parametrize(
+    "scale, fp8", [(0.37, torch.float8_e4m3fn), (0.0234, torch.float8_e5m2), (2.0**-3, torch.float8_e4m3fn)]
+)
+def test_fp8_rows_random_bit_patterns(isa, scale, fp8):
+    """2^20 float32 bit patterns drawn uniformly (every exponent equally: subnormals, NaNs, infinities, huge
+    and tiny values) quantized in every set: torch's conversion of the saturated quotient, bit for bit. The
+    whole 2^32 patterns: benchmarks/fp8_exhaustive.py (benchmarks/cpu-fp8-rows.md)."""
+    g = torch.Generator().manual_seed(13)
+    H, D = 8, 128
+    T = (1 << 20) // (H * D)
+    bits = torch.randint(-(1 << 31), 1 << 31, (T, H, D), generator=g, dtype=torch.int64)
+    v = bits.to(torch.int32).view(torch.float32)
+    q, k = torch.zeros(T, 1, D), torch.zeros(T, H, D)
+    kc = torch.zeros(T, 1, H, D, dtype=fp8)
+    vc = torch.zeros_like(kc)
+    sc = torch.tensor([scale])
+    cs = torch.cat([torch.ones(1, D // 2), torch.zeros(1, D // 2)], dim=1)
+    pos = torch.zeros(T, dtype=torch.long)
+    rope_ext.apply_rotary_qk_and_cache_(q, k, v, pos, cs, kc, vc, torch.arange(T), k_scale=sc, v_scale=sc)
+    m = reference.FP8_MAX[fp8]
+    assert torch.equal(_fp8_bits(vc[:, 0]), _fp8_bits((v / sc).clamp(-m, m).to(fp8)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
