@@ -84,16 +84,13 @@ def _midpoints(fp8) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize(
-    "scale", [1.0, 2.0**-20, 0.37, 0.0234, 1.3e-12], ids=["1", "2^-20", "0.37", "0.0234", "1.3e-12"]
-)
+@pytest.mark.parametrize("scale", [1.0, 2.0**-20, 0.37, 0.0234], ids=["1", "2^-20", "0.37", "0.0234"])
 @pytest.mark.parametrize("dim", [64, 130])
 def test_fp8_rows_midpoints_bit_exact(isa, fp8, scale, dim):
     """float32 v rows of 64 values and more (the AVX-512 kernel's 64-value step, then 16, then a masked
     tail) holding every code, midpoint and midpoint neighbour times the scale: the cache holds torch's
     conversion of the saturated quotient, bit for bit, in every set. Powers of two multiply by the
-    reciprocal; 0.37 and 0.0234 take the AVX-512 kernel's corrected product (Markstein), 1.3e-12 (outside
-    [2^-32, 2^32]) its division; the other sets divide."""
+    reciprocal (the same bits), other scales divide."""
     g = torch.Generator().manual_seed(dim)
     vals = _midpoints(fp8)
     H = 2

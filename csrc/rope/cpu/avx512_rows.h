@@ -42,34 +42,14 @@ inline __m512i fp8_lanes16(__m512 v) {
 
 // Sixty-four values quantized at a time (four vectors packed to bytes by two saturating packs,
 // whose per-128-bit-lane order one dword permutation undoes), then sixteen, then a masked tail.
-//
-// x / scale: a product when scale is a power of two (exact_reciprocal), else, for |scale| in
-// [2^-32, 2^32], Markstein's correction of the product by the correctly rounded reciprocal
-// y = 1 / scale: q = x * y is within an ulp of the quotient, r = x - q * scale is exact (a fused
-// multiply-add), and q + r * y rounded once is the quotient rounded to nearest (Markstein's
-// theorem; intermediate results stay normal for every quotient an fp8 code can tell apart from
-// zero). Where q is zero or infinite the correction would give NaN or lose a zero's sign, and q is
-// kept: a quotient too small for the fp8 types (the sign is x's) or too large (saturated). Other
-// scales divide.
 template <class T, bool E4>
 void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) {
   const float inv = exact_reciprocal(scale);
-  const float mag = scale < 0 ? -scale : scale;
-  const bool corrected = inv == 0 && mag >= 0x1p-32f && mag <= 0x1p32f;
   const __m512 s = _mm512_set1_ps(inv != 0 ? inv : scale);
-  const __m512 y = _mm512_set1_ps(corrected ? 1.0f / scale : 0.0f);
   const __m512 hi = _mm512_set1_ps(fp8_max(E4 ? Fp8::kE4M3 : Fp8::kE5M2)),
                lo = _mm512_sub_ps(_mm512_setzero_ps(), hi);
   auto bits = [&](__m512 v) __attribute__((always_inline)) {
-    if (inv != 0) {
-      v = _mm512_mul_ps(v, s);
-    } else if (corrected) {
-      const __m512 q = _mm512_mul_ps(v, y);
-      const __m512 q1 = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, v), y, q);
-      v = _mm512_mask_blend_ps(_mm512_fpclass_ps_mask(q, 0x1e), q1, q);  // 0x1e: +-0, +-inf
-    } else {
-      v = _mm512_div_ps(v, s);
-    }
+    v = inv != 0 ? _mm512_mul_ps(v, s) : _mm512_div_ps(v, s);
     // min / max return their second operand when one is NaN: NaN is kept.
     return fp8_lanes16<E4>(_mm512_max_ps(lo, _mm512_min_ps(hi, v)));
   };
