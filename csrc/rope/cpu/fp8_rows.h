@@ -31,7 +31,7 @@ struct RowOps {
   // Whether a call that quantizes many 16-bit values looks them up in a table
   // made by quant (kv_cache.cpp, Fp8Tables): where quant costs more than a
   // lookup per value (the portable and AVX2 kernels), not where it costs less
-  // (AVX-512: benchmarks/cpu-serving.md).
+  // (AVX-512: benchmarks/cpu-fp8-rows.md).
   bool tables;
 };
 

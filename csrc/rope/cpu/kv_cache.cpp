@@ -129,10 +129,10 @@ struct Fp8Tables {
   }
 };
 
-// A call whose cache rows (copied, or quantized to fp8) add up to
-// kStreamMinBytes or more writes them with streaming stores (no read for ownership of lines it will
-// not read again); a smaller one, a decode step, with plain stores: its few rows skip the store
-// fence, and stay in cache for the attention that reads them next.
+// A call whose cache rows (copied, or quantized to fp8) add up to kStreamMinBytes or more writes
+// them with streaming stores (no read for ownership of lines it will not read again); a smaller
+// one, a decode step, with plain stores: its few rows skip the store fence, and stay in cache for
+// the attention that reads them next.
 constexpr int64_t kStreamMinBytes = int64_t(1) << 20;
 
 template <class T>
