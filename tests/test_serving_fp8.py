@@ -101,19 +101,21 @@ def test_fp8_conversion_bit_exact_against_torch(scale, fp8, backend):
 @pytest.mark.parametrize("isa", [i for i in ops.CPU_ISAS if torch.ops.rope_ext._cpu_isa_supported(i)])
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
-def test_fp8_tables_every_16_bit_value(dtype, fp8, isa):
+@pytest.mark.parametrize("v_scale", [0.015, 2.0**-3, -0.37], ids=["0.015", "2^-3", "-0.37"])
+def test_fp8_tables_every_16_bit_value(dtype, fp8, isa, v_scale):
     """A CPU call that quantizes 4 * 65536 values or more of one 16-bit tensor looks them up in a table of
     every bit pattern (cpu/kv_cache.cpp) where the instruction set's row kernel is slower than a lookup
     (portable, AVX2), and runs the row kernel on every value elsewhere (AVX-512). Here q (to an fp8 q_out),
     k and v have that many values each, v holds every pattern of its dtype four times (infinities, NaNs,
     subnormals, both zeros), and every written bit must be the reference's in every set: a table built
-    wrong, or a row kernel wrong for one pattern, fails here."""
+    wrong, or a row kernel wrong for one pattern, fails here. v's scale takes each way of forming the quotient
+    (cpu/avx512_rows.h, Quotient): corrected product, exact product, division."""
     gen = torch.Generator().manual_seed(11)
     T, H, D = 256, 8, 128  # T * H * D = 4 * 65536
     c = build(dtype, T=T, Hq=H, Hk=H, D=D, cache_dtype=fp8, q_out=fp8, slots="all", seed=3)
     every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     c.v.copy_(every.repeat(4)[torch.randperm(4 << 16, generator=gen)].view(c.v.shape))
-    c.k_scale, c.v_scale, c.q_scale = torch.tensor([0.02]), torch.tensor([0.015]), torch.tensor([3.7])
+    c.k_scale, c.v_scale, c.q_scale = torch.tensor([0.02]), torch.tensor([v_scale]), torch.tensor([3.7])
     s = c.snapshot()
     previous = rope_ext._set_cpu_isa(isa)
     try:

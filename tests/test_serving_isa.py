@@ -84,13 +84,18 @@ def _midpoints(fp8) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("scale", [1.0, 2.0**-20, 0.37, 0.0234], ids=["1", "2^-20", "0.37", "0.0234"])
+@pytest.mark.parametrize(
+    "scale",
+    [1.0, 2.0**-20, 0.37, 0.0234, 1.5 * 2.0**-60, 1.5 * 2.0**59, -0.37, 1.3 * 2.0**-70, 1.7e20],
+    ids=["1", "2^-20", "0.37", "0.0234", "1.5*2^-60", "1.5*2^59", "-0.37", "1.3*2^-70", "1.7e20"],
+)
 @pytest.mark.parametrize("dim", [64, 130])
 def test_fp8_rows_midpoints_bit_exact(isa, fp8, scale, dim):
     """float32 v rows of 64 values and more (the AVX-512 kernel's 64-value step, then 16, then a masked
     tail) holding every code, midpoint and midpoint neighbour times the scale: the cache holds torch's
-    conversion of the saturated quotient, bit for bit, in every set. Powers of two multiply by the
-    reciprocal (the same bits), other scales divide."""
+    conversion of the saturated quotient, bit for bit, in every set. Positive powers of two multiply by the
+    reciprocal (the same bits); the AVX-512 kernel corrects the product for other positive scales in
+    [2^-60, 2^60] and divides for the rest (negative, tiny, huge), as the other sets do for all of them."""
     g = torch.Generator().manual_seed(dim)
     vals = _midpoints(fp8)
     H = 2
@@ -113,7 +118,14 @@ def test_fp8_rows_midpoints_bit_exact(isa, fp8, scale, dim):
 
 
 @pytest.mark.parametrize(
-    "scale, fp8", [(0.37, torch.float8_e4m3fn), (0.0234, torch.float8_e5m2), (2.0**-3, torch.float8_e4m3fn)]
+    "scale, fp8",
+    [
+        (0.37, torch.float8_e4m3fn),
+        (0.0234, torch.float8_e5m2),
+        (2.0**-3, torch.float8_e4m3fn),
+        (-0.37, torch.float8_e5m2),
+        (1.3 * 2.0**-70, torch.float8_e4m3fn),
+    ],
 )
 def test_fp8_rows_random_bit_patterns(isa, scale, fp8):
     """2^20 float32 bit patterns drawn uniformly (every exponent equally: subnormals, NaNs, infinities, huge

@@ -12,20 +12,18 @@ namespace rope {
 inline namespace ROPE_ISA {
 namespace host {
 
-// fp8 bits of sixteen scaled floats already clamped to the type's finite range (or NaN), in the low
-// byte of each 32-bit lane (float_to_e4m3 / float_to_e5m2 of values within the range): normal
-// results rounded in the integer bits, subnormal ones by a float addition. The largest finite value
-// encodes to 0x7e (e4m3) / 0x7b (e5m2); a NaN's larger bits give more than 0x7f and are clamped to
-// 0x7f, the NaN of both types. The sign is bit 31 moved to bit 7.
+// fp8 bits of sixteen scaled magnitudes a already clamped to the type's finite range (or NaN), in
+// the low byte of each 32-bit lane (float_to_e4m3 / float_to_e5m2 of values within the range), with
+// the sign bit of `sign`: normal results rounded in the integer bits, subnormal ones by a float
+// addition. The largest finite value encodes to 0x7e (e4m3) / 0x7b (e5m2); a NaN's larger bits give
+// more than 0x7f and are clamped to 0x7f, the NaN of both types. The sign is bit 31 moved to bit 7.
 template <bool E4>
-inline __m512i fp8_lanes16(__m512 v) {
+inline __m512i fp8_lanes16(__m512i a, __m512i sign) {
   constexpr int kShift = E4 ? 20 : 21;
   constexpr uint32_t kBias =
       E4 ? (uint32_t(7 - 127) << 23) + 0x7ffffu : (uint32_t(15 - 127) << 23) + 0xfffffu;
   constexpr uint32_t kDenorm = E4 ? 141u << 23 : 134u << 23;
   constexpr uint32_t kSmall = E4 ? 121u << 23 : 113u << 23;
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));  // |v|
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kShift), _mm512_set1_epi32(1));
   const __m512i normal = _mm512_min_epu32(
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int(kBias))), odd),
@@ -36,34 +34,82 @@ inline __m512i fp8_lanes16(__m512 v) {
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(dc))), dc);
   const __m512i r = _mm512_mask_blend_epi32(
       _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(int(kSmall))), normal, denorm);
-  // bits 0-6 from r, bit 7 (and the zero bits above it) from u >> 24
-  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x7f), 0xE4);
+  // bits 0-6 from r, bit 7 (and the zero bits above it) from sign >> 24
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(sign, 24), _mm512_set1_epi32(0x7f), 0xE4);
+}
+
+// How quant_row16 forms x / scale: by the division (every scale), by the product with an exact
+// reciprocal (exact_reciprocal: a positive power of two), or by the product corrected with two
+// fused multiply-adds (Markstein: with r = 1 / scale correctly rounded and q = x * r, the error
+// e = x - q * scale is exact and q + e * r rounds to x / scale) for a positive scale in [2^-60,
+// 2^60]. There every term is a normal float (also under FTZ / DAZ) wherever the quotient is 2^-43
+// or more; a code other than zero needs 2^-17. |x| is clamped to 2 * max * scale first, so no
+// product overflows and every clamped value still saturates.
+enum class Quotient { kDivide, kProduct, kCorrected };
+
+inline Quotient quotient_of(float scale) {
+  if (exact_reciprocal(scale) > 0) return Quotient::kProduct;
+  return scale >= 0x1p-60f && scale <= 0x1p60f ? Quotient::kCorrected : Quotient::kDivide;
 }
 
 // Sixty-four values quantized at a time (four vectors packed to bytes by two saturating packs,
-// whose per-128-bit-lane order one dword permutation undoes), then sixteen, then a masked tail.
-template <class T, bool E4>
+// whose per-128-bit-lane order one permutation undoes), then sixteen, then a masked tail. bf16
+// values are widened by word unpacks (each vector holds four runs of four), whose order the same
+// permutation undoes, in quadwords.
+template <class T, bool E4, Quotient Q>
 void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) {
-  const float inv = exact_reciprocal(scale);
-  const __m512 s = _mm512_set1_ps(inv != 0 ? inv : scale);
-  const __m512 hi = _mm512_set1_ps(fp8_max(E4 ? Fp8::kE4M3 : Fp8::kE5M2)),
-               lo = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+  const float inv = Q == Quotient::kDivide ? 0.0f : 1.0f / scale;
+  const float top = fp8_max(E4 ? Fp8::kE4M3 : Fp8::kE5M2);
+  const __m512 s = _mm512_set1_ps(scale), r = _mm512_set1_ps(inv), hi = _mm512_set1_ps(top),
+               lo = _mm512_sub_ps(_mm512_setzero_ps(), hi), bound = _mm512_set1_ps(2 * top * scale);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   auto bits = [&](__m512 v) __attribute__((always_inline)) {
-    v = inv != 0 ? _mm512_mul_ps(v, s) : _mm512_div_ps(v, s);
-    // min / max return their second operand when one is NaN: NaN is kept.
-    return fp8_lanes16<E4>(_mm512_max_ps(lo, _mm512_min_ps(hi, v)));
+    if constexpr (Q == Quotient::kDivide) {
+      // min / max return their second operand when one is NaN: NaN is kept.
+      const __m512i y =
+          _mm512_castps_si512(_mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_div_ps(v, s))));
+      return fp8_lanes16<E4>(_mm512_and_si512(y, abs_mask), y);
+    } else {
+      __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+      if constexpr (Q == Quotient::kProduct) {
+        a = _mm512_mul_ps(a, r);
+      } else {
+        a = _mm512_min_ps(bound, a);
+        const __m512 q = _mm512_mul_ps(a, r);
+        a = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, a), r, q);
+      }
+      return fp8_lanes16<E4>(_mm512_castps_si512(_mm512_min_ps(hi, a)), _mm512_castps_si512(v));
+    }
   };
-  // dword 4 * lane + k of the packed bytes holds vector k's values 4 * lane .. 4 * lane + 3
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const __m512i ab = _mm512_packus_epi32(bits(load16(x + i)), bits(load16(x + i + 16)));
-    const __m512i cd = _mm512_packus_epi32(bits(load16(x + i + 32)), bits(load16(x + i + 48)));
-    const __m512i r = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd));
-    if (stream && reinterpret_cast<uintptr_t>(dst + i) % 64 == 0)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), r);
-    else
-      _mm512_storeu_si512(dst + i, r);
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    // quadword 2 * lane + k of the packed bytes holds 8 values of block k's lane
+    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m512i z = _mm512_setzero_si512();
+    auto lo16 = [&](__m512i w) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w)); };
+    auto hi16 = [&](__m512i w) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w)); };
+    for (; i + 64 <= n; i += 64) {
+      const __m512i w0 = _mm512_loadu_si512(x + i), w1 = _mm512_loadu_si512(x + i + 32);
+      const __m512i ab = _mm512_packus_epi32(bits(lo16(w0)), bits(hi16(w0)));
+      const __m512i cd = _mm512_packus_epi32(bits(lo16(w1)), bits(hi16(w1)));
+      const __m512i r8 = _mm512_permutexvar_epi64(order, _mm512_packus_epi16(ab, cd));
+      if (stream && reinterpret_cast<uintptr_t>(dst + i) % 64 == 0)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), r8);
+      else
+        _mm512_storeu_si512(dst + i, r8);
+    }
+  } else {
+    // dword 4 * lane + k of the packed bytes holds vector k's values 4 * lane .. 4 * lane + 3
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; i + 64 <= n; i += 64) {
+      const __m512i ab = _mm512_packus_epi32(bits(load16(x + i)), bits(load16(x + i + 16)));
+      const __m512i cd = _mm512_packus_epi32(bits(load16(x + i + 32)), bits(load16(x + i + 48)));
+      const __m512i r8 = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd));
+      if (stream && reinterpret_cast<uintptr_t>(dst + i) % 64 == 0)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), r8);
+      else
+        _mm512_storeu_si512(dst + i, r8);
+    }
   }
   for (; i + 16 <= n; i += 16)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
@@ -71,6 +117,18 @@ void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) 
   if (i < n) {
     const __mmask16 m = lanes(int(n - i));
     _mm_mask_storeu_epi8(dst + i, m, _mm512_cvtepi32_epi8(bits(load16(x + i, m))));
+  }
+}
+
+template <class T, bool E4>
+void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) {
+  switch (quotient_of(scale)) {
+    case Quotient::kProduct:
+      return quant_row16<T, E4, Quotient::kProduct>(x, dst, n, scale, stream);
+    case Quotient::kCorrected:
+      return quant_row16<T, E4, Quotient::kCorrected>(x, dst, n, scale, stream);
+    default:
+      return quant_row16<T, E4, Quotient::kDivide>(x, dst, n, scale, stream);
   }
 }
 
