@@ -204,16 +204,28 @@ void cache_step(const CacheParams& cp, const Fp8Tables& tables, int64_t begin, i
   }
   const float k_scale = scale_value(cp.key_cache.scale);
   const float v_scale = scale_value(cp.value_cache.scale);
+  // Heads per row-kernel call: all of a token's heads at once where their rows follow each other
+  // both in the input and in the cache (heads contiguous in a packed qkv and in an NHD cache).
+  const int64_t hk = cp.n_kv_heads;
+  const RotTensor& kt = p.t[1];
+  const int64_t kn = kt.n_head_dims == 1 && kt.in_head_stride[0] == cp.k_dim &&
+                             cp.key_cache.head_stride == cp.k_dim
+                         ? hk
+                         : 1;
+  const int64_t vn =
+      cp.v_head_stride == cp.v_dim && cp.value_cache.head_stride == cp.v_dim ? hk : 1;
   for (int64_t token = begin; token < end; ++token) {
     const int64_t slot = token_slot(cp, token);
     if (slot < 0) continue;
     const int64_t k_row = slot_offset(cp.key_cache, cp.block_size, slot);
     const int64_t v_row = slot_offset(cp.value_cache, cp.block_size, slot);
-    for (int64_t h = 0; h < cp.n_kv_heads; ++h) {
-      const T* k = static_cast<const T*>(p.t[1].in) + row_offset(p, 1, token, h);
-      store_row(k, cp, cp.key_cache, k_row, h, cp.k_dim, k_scale, tables.k, stream);
+    for (int64_t h = 0; h < hk; h += kn) {
+      const T* k = static_cast<const T*>(kt.in) + row_offset(p, 1, token, h);
+      store_row(k, cp, cp.key_cache, k_row, h, kn * cp.k_dim, k_scale, tables.k, stream);
+    }
+    for (int64_t h = 0; h < hk; h += vn) {
       const T* v = static_cast<const T*>(cp.v) + token * cp.v_tok_stride + h * cp.v_head_stride;
-      store_row(v, cp, cp.value_cache, v_row, h, cp.v_dim, v_scale, tables.v, stream);
+      store_row(v, cp, cp.value_cache, v_row, h, vn * cp.v_dim, v_scale, tables.v, stream);
     }
   }
 }
