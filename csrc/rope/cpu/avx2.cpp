@@ -492,73 +492,13 @@ struct Avx2Head : ScalarTable {
   }
 };
 
-// ---------------------------------------------------------------------------
-// Row kernel of the serving ops (cpu/fp8_rows.h): eight lanes at a time,
-// remainders element by element.
-
-// float8 bits of eight scaled and saturated floats (float_to_e4m3 /
-// float_to_e5m2 of serving.h), in the low byte of each lane.
-inline __m256i fp8_bits8(__m256 v, Fp8 t) {
-  const bool e4 = t == Fp8::kE4M3;
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(int(0x80000000u)));
-  u = _mm256_xor_si256(u, sign);  // |v|: below 2^31, so signed compares hold
-  const __m128i shift = _mm_cvtsi32_si128(e4 ? 20 : 21);
-  const __m256i odd = _mm256_and_si256(_mm256_srl_epi32(u, shift), _mm256_set1_epi32(1));
-  const uint32_t bias =
-      e4 ? (uint32_t(7 - 127) << 23) + 0x7ffffu : (uint32_t(15 - 127) << 23) + 0xfffffu;
-  const __m256i normal = _mm256_srl_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(int(bias))), odd), shift);
-  const __m256i denorm_c = _mm256_set1_epi32(int(e4 ? 141u << 23 : 134u << 23));
-  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(denorm_c));
-  const __m256i denorm = _mm256_sub_epi32(_mm256_castps_si256(sum), denorm_c);
-  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(e4 ? 121u << 23 : 113u << 23)), u);
-  const __m256i big =
-      _mm256_cmpgt_epi32(u, _mm256_set1_epi32(int(e4 ? (1087u << 20) - 1 : (143u << 23) - 1)));
-  __m256i special = _mm256_set1_epi32(0x7f);
-  if (!e4) {
-    const __m256i nan = _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7f800000));
-    special = _mm256_blendv_epi8(_mm256_set1_epi32(0x7c), special, nan);
-  }
-  __m256i r = _mm256_blendv_epi8(normal, denorm, small);
-  r = _mm256_blendv_epi8(r, special, big);
-  return _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xff)), _mm256_srli_epi32(sign, 24));
-}
-
-template <class T>
-void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t, bool) {
-  const T* x = static_cast<const T*>(xv);
-  const float inv = exact_reciprocal(scale);
-  const __m256 s = _mm256_set1_ps(inv != 0 ? inv : scale);
-  const __m256 hi = _mm256_set1_ps(fp8_max(t)), lo = _mm256_set1_ps(-fp8_max(t));
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = inv != 0 ? _mm256_mul_ps(load8(x + i), s) : _mm256_div_ps(load8(x + i), s);
-    // min / max return their second operand when one is NaN: NaN is kept.
-    v = _mm256_max_ps(lo, _mm256_min_ps(hi, v));
-    const __m256i r = fp8_bits8(v, t);
-    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packus_epi16(w16, w16));
-  }
-  for (; i < n; ++i) dst[i] = quantize_fp8(float(to_acc(x[i])), scale, t);
-}
-
-// Whole 32-byte-aligned rows (every cache row of D >= 16 16-bit values in a
-// torch allocation) with streaming stores; others with memcpy.
-void copy_row_nt(const void* x, void* dst, int64_t bytes) {
-  if ((reinterpret_cast<uintptr_t>(dst) | uintptr_t(bytes)) % 32 != 0)
-    return copy_row(x, dst, bytes);
-  const char* src = static_cast<const char*>(x);
-  char* d = static_cast<char*>(dst);
-  for (int64_t i = 0; i < bytes; i += 32)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-}
-
-void store_fence() { _mm_sfence(); }
-
 }  // namespace host
 }  // namespace ROPE_ISA
+}  // namespace rope
+
+#include "avx2_rows.h"
+
+namespace rope {
 
 const cpu::RowOps cpu::detail::kRowsAvx2{{host::quant_row8<float>, host::quant_row<double>,
                                           host::quant_row8<Half>, host::quant_row8<BFloat16>},

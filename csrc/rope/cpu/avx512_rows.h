@@ -38,20 +38,6 @@ inline __m512i fp8_lanes16(__m512i a, __m512i sign) {
   return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(sign, 24), _mm512_set1_epi32(0x7f), 0xE4);
 }
 
-// How quant_row16 forms x / scale: by the division (every scale), by the product with an exact
-// reciprocal (exact_reciprocal: a positive power of two), or by the product corrected with two
-// fused multiply-adds (Markstein: with r = 1 / scale correctly rounded and q = x * r, the error
-// e = x - q * scale is exact and q + e * r rounds to x / scale) for a positive scale in [2^-60,
-// 2^60]. There every term is a normal float (also under FTZ / DAZ) wherever the quotient is 2^-43
-// or more; a code other than zero needs 2^-17. |x| is clamped to 2 * max * scale first, so no
-// product overflows and every clamped value still saturates.
-enum class Quotient { kDivide, kProduct, kCorrected };
-
-inline Quotient quotient_of(float scale) {
-  if (exact_reciprocal(scale) > 0) return Quotient::kProduct;
-  return scale >= 0x1p-60f && scale <= 0x1p60f ? Quotient::kCorrected : Quotient::kDivide;
-}
-
 // Sixty-four values quantized at a time (four vectors packed to bytes by two saturating packs,
 // whose per-128-bit-lane order one permutation undoes), then sixteen, then a masked tail. bf16
 // values are widened by word unpacks (each vector holds four runs of four), whose order the same

@@ -66,6 +66,21 @@ inline float exact_reciprocal(float scale) {
   return (b & 0x7fffff) == 0 && e >= 1 && e <= 253 ? 1.0f / scale : 0.0f;
 }
 
+// How the vector row kernels (avx2_rows.h, avx512_rows.h) form x / scale: by the division (every
+// scale), by the product with an exact reciprocal (exact_reciprocal: a positive power of two), or
+// by the product corrected with two
+// fused multiply-adds (Markstein: with r = 1 / scale correctly rounded and q = x * r, the error
+// e = x - q * scale is exact and q + e * r rounds to x / scale) for a positive scale in [2^-60,
+// 2^60]. There every term is a normal float (also under FTZ / DAZ) wherever the quotient is 2^-43
+// or more; a code other than zero needs 2^-17. |x| is clamped to 2 * max * scale first, so no
+// product overflows and every clamped value still saturates.
+enum class Quotient { kDivide, kProduct, kCorrected };
+
+inline Quotient quotient_of(float scale) {
+  if (exact_reciprocal(scale) > 0) return Quotient::kProduct;
+  return scale >= 0x1p-60f && scale <= 0x1p60f ? Quotient::kCorrected : Quotient::kDivide;
+}
+
 inline void copy_row(const void* x, void* dst, int64_t bytes) {
   std::memcpy(dst, x, size_t(bytes));
 }
