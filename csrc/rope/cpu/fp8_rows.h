@@ -68,12 +68,11 @@ inline float exact_reciprocal(float scale) {
 
 // How the vector row kernels (avx2_rows.h, avx512_rows.h) form x / scale: by the division (every
 // scale), by the product with an exact reciprocal (exact_reciprocal: a positive power of two), or
-// by the product corrected with two
-// fused multiply-adds (Markstein: with r = 1 / scale correctly rounded and q = x * r, the error
-// e = x - q * scale is exact and q + e * r rounds to x / scale) for a positive scale in [2^-60,
-// 2^60]. There every term is a normal float (also under FTZ / DAZ) wherever the quotient is 2^-43
-// or more; a code other than zero needs 2^-17. |x| is clamped to 2 * max * scale first, so no
-// product overflows and every clamped value still saturates.
+// by the product corrected with two fused multiply-adds (Markstein: with r = 1 / scale correctly
+// rounded and q = x * r, the error e = x - q * scale is exact and q + e * r rounds to x / scale)
+// for a positive scale in [2^-60, 2^60]. There every term is a normal float (also under FTZ / DAZ)
+// wherever the quotient is 2^-43 or more; a code other than zero needs 2^-17. |x| is clamped to
+// 2 * max * scale first, so no product overflows and every clamped value still saturates.
 enum class Quotient { kDivide, kProduct, kCorrected };
 
 inline Quotient quotient_of(float scale) {
