@@ -6,8 +6,10 @@ from .checks import PageTable
 from .module import RotaryEmbedding
 from .ops import _cpu_isa as _cpu_isa  # the CPU kernel's instruction set
 from .ops import _cpu_prefetch as _cpu_prefetch  # its software prefetch distance
+from .ops import _cpu_prefetch_level as _cpu_prefetch_level  # and the cache level it fills
 from .ops import _set_cpu_isa as _set_cpu_isa
 from .ops import _set_cpu_prefetch as _set_cpu_prefetch
+from .ops import _set_cpu_prefetch_level as _set_cpu_prefetch_level
 from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_, set_position_checks
 from .serving import (
     apply_mla_rotary_and_cache_,

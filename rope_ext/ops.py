@@ -44,6 +44,10 @@ if _prefetch_env and not (
     raise ValueError(
         f"ROPE_EXT_CPU_PREFETCH must be a number of bytes from 0 to {CPU_MAX_PREFETCH}, got {_prefetch_env!r}"
     )
+# The cache level its hints fill: 1 (L1, prefetcht0) or 2 (L2, prefetcht1).
+_level_env = os.environ.get("ROPE_EXT_CPU_PREFETCH_LEVEL")
+if _level_env and _level_env not in ("1", "2"):
+    raise ValueError(f"ROPE_EXT_CPU_PREFETCH_LEVEL must be 1 or 2, got {_level_env!r}")
 
 
 def _cpu_isa() -> str:
@@ -74,10 +78,31 @@ def _cpu_prefetch() -> int:
     """The CPU kernel's software prefetch distance in bytes (0: none).
 
     Before each head is rotated or normalised, the head that many bytes further on in the loop's order
-    is hinted into L1. Set at the first CPU call: ``ROPE_EXT_CPU_PREFETCH`` when given, else 2048 on
-    Intel CPUs and 0 on others (benchmarks/cpu-serving.md).
+    is hinted into the cache level :func:`_cpu_prefetch_level`. Set at the first CPU call:
+    ``ROPE_EXT_CPU_PREFETCH`` when given, else 2048 on Intel CPUs, 8192 on AMD CPUs from family 19h
+    (Zen 3 on) and 0 on others (benchmarks/cpu-serving.md, benchmarks/cpu-zen4.md).
     """
     return int(_ops._cpu_prefetch())
+
+
+def _cpu_prefetch_level() -> int:
+    """The cache level the CPU kernel's prefetch hints fill: 1 (L1) or 2 (L2).
+
+    Set at the first CPU call: ``ROPE_EXT_CPU_PREFETCH_LEVEL`` when given, else 2 on AMD CPUs from
+    family 19h and 1 on others.
+    """
+    return int(_ops._cpu_prefetch_level())
+
+
+def _set_cpu_prefetch_level(level: int) -> int:
+    """Make the prefetch hints of calls that start from now on fill cache level ``level`` (1 or 2);
+    returns the previous level. For tests and benchmarks; results do not depend on it."""
+    if type(level) is not int or level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level!r}")
+    previous = _cpu_prefetch_level()
+    if not _ops._set_cpu_prefetch_level(level):
+        raise ValueError(f"the CPU kernel refused the prefetch level {level}")
+    return previous
 
 
 def _set_cpu_prefetch(bytes_ahead: int) -> int:

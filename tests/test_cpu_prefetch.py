@@ -1,14 +1,16 @@
-"""The CPU kernel's software prefetch: its distance changes no bit of any op, on any instruction set.
+"""The CPU kernel's software prefetch: its distance and level change no bit of any op, on any instruction set.
 
 Before a head is rotated (or normalised), the head ``_cpu_prefetch()`` bytes further on in the loop's order
-is hinted into L1: a later head of the token, or one of the next token's (csrc/rope/cpu/kernel.h, ``Ahead``,
-whose targets a static_assert checks). The distance is set from ``ROPE_EXT_CPU_PREFETCH`` or the CPU's
-vendor, and by ``rope_ext._set_cpu_prefetch`` for tests and benchmarks.
+is hinted into cache level ``_cpu_prefetch_level()`` (1: L1, 2: L2): a later head of the token, or one of the
+next token's (csrc/rope/cpu/kernel.h, ``Ahead``, whose targets a static_assert checks). Both are set from
+``ROPE_EXT_CPU_PREFETCH`` / ``ROPE_EXT_CPU_PREFETCH_LEVEL`` or the CPU's vendor, and by
+``rope_ext._set_cpu_prefetch`` / ``_set_cpu_prefetch_level`` for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,17 +23,19 @@ from rope_ext import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 ISAS = [i for i in ops.CPU_ISAS if torch.ops.rope_ext._cpu_isa_supported(i)]
-# 0: no hints; 64: one head ahead; 2048: Intel's default; the largest: every head hints the next token's.
-DISTANCES = [0, 64, 2048, ops.CPU_MAX_PREFETCH]
+# (bytes, level): 0: no hints; 64: one head ahead; 2048 into L1: Intel's default; 8192 into L2: AMD's
+# (Zen 3 on); the largest: every head hints the next token's.
+SETTINGS = [(0, 1), (64, 1), (2048, 1), (8192, 2), (ops.CPU_MAX_PREFETCH, 2)]
 HQ, HK = 8, 2
 
 
 @pytest.fixture
 def restore():
-    isa, distance = rope_ext._cpu_isa(), rope_ext._cpu_prefetch()
+    isa, distance, level = rope_ext._cpu_isa(), rope_ext._cpu_prefetch(), rope_ext._cpu_prefetch_level()
     yield
     rope_ext._set_cpu_isa(isa)
     rope_ext._set_cpu_prefetch(distance)
+    rope_ext._set_cpu_prefetch_level(level)
 
 
 def _tokens(dtype, head_dim):
@@ -87,12 +91,15 @@ def test_prefetch_distance_changes_no_bit(restore, dtype, interleaved, head_dim)
         rope_ext._set_cpu_isa(isa)
         rope_ext._set_cpu_prefetch(0)
         want = _ops_outputs(dtype, head_dim, interleaved)
-        for distance in DISTANCES[1:]:
+        for distance, level in SETTINGS[1:]:
             rope_ext._set_cpu_prefetch(distance)
+            rope_ext._set_cpu_prefetch_level(level)
             got = _ops_outputs(dtype, head_dim, interleaved)
             for name, value in want.items():
                 for a, b in zip(got[name], value, strict=True):
-                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{isa} {distance} {name}"
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
+                        f"{isa} {distance} L{level} {name}"
+                    )
 
 
 @pytest.mark.parametrize("bad", [-1, 2**31, 2**63 - 1, ops.CPU_MAX_PREFETCH + 1, True, 2048.0, "2048", None])
@@ -112,22 +119,57 @@ def test_set_cpu_prefetch_returns_the_previous_distance(restore):
     assert rope_ext._cpu_prefetch() == 0
 
 
-def _child(value: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ROPE_EXT_CPU_PREFETCH"}
-    if value is not None:
-        env["ROPE_EXT_CPU_PREFETCH"] = value
-    code = "import rope_ext; print(rope_ext._cpu_prefetch())"
+@pytest.mark.parametrize("bad", [0, 3, -1, 2**63 - 1, True, 2.0, "2", None])
+def test_set_cpu_prefetch_level_refuses_what_is_not_a_level(restore, bad):
+    before = rope_ext._cpu_prefetch_level()
+    with pytest.raises(ValueError, match=r"level must be 1 or 2"):
+        rope_ext._set_cpu_prefetch_level(bad)
+    assert rope_ext._cpu_prefetch_level() == before
+    for raw in (0, 3, -1, 2**63 - 1):
+        assert torch.ops.rope_ext._set_cpu_prefetch_level(raw) is False
+    assert rope_ext._cpu_prefetch_level() == before
+
+
+def test_set_cpu_prefetch_level_returns_the_previous_level(restore):
+    rope_ext._set_cpu_prefetch_level(2)
+    assert rope_ext._set_cpu_prefetch_level(1) == 2
+    assert rope_ext._cpu_prefetch_level() == 1
+
+
+def _child(value: str | None, level: str | None = None) -> subprocess.CompletedProcess:
+    names = ("ROPE_EXT_CPU_PREFETCH", "ROPE_EXT_CPU_PREFETCH_LEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    for name, v in zip(names, (value, level), strict=True):
+        if v is not None:
+            env[name] = v
+    code = "import rope_ext; print(rope_ext._cpu_prefetch(), rope_ext._cpu_prefetch_level())"
     return subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 
+def _vendor_default() -> str:
+    """2048 bytes into L1 on Intel; 8192 into L2 on AMD from family 19h (Zen 3 on); none on others."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "GenuineIntel" in info:
+        return "2048 1"
+    family = re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
+    if "AuthenticAMD" in info and family and int(family.group(1)) >= 0x19:
+        return "8192 2"
+    return "0 1"
+
+
 def test_distance_from_the_environment_or_the_vendor():
-    """The environment's value when given; else 2048 bytes on Intel CPUs, none on others."""
-    assert _child("4096").stdout.strip() == "4096"
-    assert _child("0").stdout.strip() == "0"
-    intel = "GenuineIntel" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
-    assert _child(None).stdout.strip() == ("2048" if intel else "0")
+    """The environment's values when given; else the vendor's."""
+    default = _vendor_default()
+    assert _child(None).stdout.strip() == default
+    assert _child("4096").stdout.strip() == "4096 " + default.split()[1]
+    assert _child("0", "2").stdout.strip() == "0 2"
+    assert _child(None, "1").stdout.strip() == default.split()[0] + " 1"
+    for bad in ["0", "3", "l2", " 1", "\u00b9"]:
+        child = _child(None, bad)
+        assert child.returncode != 0
+        assert f"ValueError: ROPE_EXT_CPU_PREFETCH_LEVEL must be 1 or 2, got {bad!r}" in child.stderr
     for bad in ["-5", "2k", str(ops.CPU_MAX_PREFETCH + 1), " 64", "\u00b2"]:
         child = _child(bad)
         assert child.returncode != 0

@@ -146,6 +146,8 @@ bool cpu_isa_supported(std::string name) { return rope::cpu::isa_supported(name.
 bool set_cpu_isa(std::string name) { return rope::cpu::set_isa(name.c_str()); }
 int64_t cpu_prefetch() { return rope::cpu::prefetch_distance(); }
 bool set_cpu_prefetch(int64_t bytes) { return rope::cpu::set_prefetch_distance(bytes); }
+int64_t cpu_prefetch_level() { return rope::cpu::prefetch_level(); }
+bool set_cpu_prefetch_level(int64_t level) { return rope::cpu::set_prefetch_level(level); }
 
 }  // namespace
 }  // namespace rope_ext
@@ -162,4 +164,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope_ext, CompositeImplicitAutograd, m) {
   m.impl("_set_cpu_isa", TORCH_BOX(&rope_ext::set_cpu_isa));
   m.impl("_cpu_prefetch", TORCH_BOX(&rope_ext::cpu_prefetch));
   m.impl("_set_cpu_prefetch", TORCH_BOX(&rope_ext::set_cpu_prefetch));
+  m.impl("_cpu_prefetch_level", TORCH_BOX(&rope_ext::cpu_prefetch_level));
+  m.impl("_set_cpu_prefetch_level", TORCH_BOX(&rope_ext::set_cpu_prefetch_level));
 }

@@ -130,8 +130,10 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   m.def("_cpu_isa() -> str");
   m.def("_cpu_isa_supported(str name) -> bool");
   m.def("_set_cpu_isa(str name) -> bool");
-  // Its software prefetch distance in bytes (cpu.h prefetch_distance), and a
-  // switch for tests and benchmarks.
+  // Its software prefetch distance in bytes and cache level (cpu.h
+  // prefetch_distance, prefetch_level), and switches for tests and benchmarks.
   m.def("_cpu_prefetch() -> int");
   m.def("_set_cpu_prefetch(int bytes) -> bool");
+  m.def("_cpu_prefetch_level() -> int");
+  m.def("_set_cpu_prefetch_level(int level) -> bool");
 }

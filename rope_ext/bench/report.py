@@ -139,6 +139,7 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
     head = (
         f"rope-bench on {m['cpu']} ({m['torch_threads']} threads, ISA {m['rope_ext_cpu_isa']}"
         + (f", prefetch {m['rope_ext_cpu_prefetch']} B" if "rope_ext_cpu_prefetch" in m else "")
+        + (f" into L{m['rope_ext_cpu_prefetch_level']}" if "rope_ext_cpu_prefetch_level" in m else "")
         + (f", GPU {m['gpu']}" if "gpu" in m else "")
         + (f", allocator {m['cpu_allocator']}" if "cpu_allocator" in m else "")
         + f"), torch {m['torch']}, load {', '.join(f'{x:.2f}' for x in m.get('loadavg', []))}"

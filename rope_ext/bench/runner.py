@@ -56,6 +56,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "rope_ext": rope_ext.__version__,
         "rope_ext_cpu_isa": str(torch.ops.rope_ext._cpu_isa()),
         "rope_ext_cpu_prefetch": int(torch.ops.rope_ext._cpu_prefetch()),
+        "rope_ext_cpu_prefetch_level": int(torch.ops.rope_ext._cpu_prefetch_level()),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
     }
     with contextlib.suppress(OSError):

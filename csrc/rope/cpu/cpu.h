@@ -65,18 +65,28 @@ bool set_isa(const char* name);
 // Software prefetch in the token loops: before a head is rotated (or
 // normalised), the head prefetch_distance() bytes further on in the loop's
 // order (rounded up to whole heads: a later head of the token, or one of the
-// next token's) is hinted into L1 (kernel.h, Ahead), so that memory keeps
-// streaming while the vector units work; 0 hints nothing. Set once, at the
-// first call: the environment variable ROPE_EXT_CPU_PREFETCH (bytes, 0 to
-// kMaxPrefetch) when it holds one, else kIntelPrefetch on Intel CPUs
-// (benchmarks/cpu-serving.md) and 0 on others, where it has not been measured.
+// next token's) is hinted into the cache level prefetch_level() (1: L1,
+// `prefetcht0`; 2: L2, `prefetcht1`; kernel.h, Ahead), so that memory keeps
+// streaming while the vector units work; a distance of 0 hints nothing. Both
+// are set once, at the first call: from the environment variables
+// ROPE_EXT_CPU_PREFETCH (bytes, 0 to kMaxPrefetch) and
+// ROPE_EXT_CPU_PREFETCH_LEVEL (1 or 2) when they hold one, else by the CPU's
+// vendor: 2048 bytes into L1 on Intel, 8192 bytes into L2 on AMD from family 19h
+// (Zen 3 on; measured on a Xeon and a Zen 4: benchmarks/cpu-serving.md,
+// benchmarks/cpu-zen4.md), none on others.
 constexpr int64_t kMaxPrefetch = int64_t(1) << 20;
 constexpr int64_t kIntelPrefetch = 2048;
+constexpr int64_t kAmdPrefetch = 8192;
 int64_t prefetch_distance();
+int prefetch_level();
 
 // Makes `bytes` the prefetch distance from now on; false (and no change)
 // outside [0, kMaxPrefetch]. For tests and benchmarks.
 bool set_prefetch_distance(int64_t bytes);
+
+// Makes `level` (1 or 2) the cache level of the hints from now on; false
+// (and no change) for another value. For tests and benchmarks.
+bool set_prefetch_level(int64_t level);
 
 }  // namespace cpu
 }  // namespace rope

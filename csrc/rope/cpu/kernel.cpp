@@ -5,6 +5,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 #include "cpu.h"
 #include "fp8_rows.h"
 #include "qk_norm.h"
@@ -118,22 +122,44 @@ std::atomic<int>& current() {
   return index;
 }
 
-int64_t initial_prefetch() {
-  if (const char* env = std::getenv("ROPE_EXT_CPU_PREFETCH")) {
-    char* end = nullptr;
-    const long long v = std::strtoll(env, &end, 10);
-    if (*env && !*end && v >= 0 && v <= kMaxPrefetch) return v;
-  }
+// The vendor's defaults (cpu.h): {distance, level}.
+struct PrefetchDefault {
+  int64_t bytes;
+  int level;
+};
+
+PrefetchDefault vendor_prefetch() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  if (__builtin_cpu_is("intel")) return kIntelPrefetch;
+  if (__builtin_cpu_is("intel")) return {kIntelPrefetch, 1};
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__builtin_cpu_is("amd") && __get_cpuid(1, &a, &b, &c, &d) &&
+      ((a >> 8) & 0xf) + ((a >> 20) & 0xff) >= 0x19)  // family 19h on: Zen 3, Zen 4, Zen 5
+    return {kAmdPrefetch, 2};
 #endif
-  return 0;
+  return {0, 1};
+}
+
+// The integer in the environment variable `name` when it holds one in [lo, hi], else `fallback`.
+int64_t env_int(const char* name, int64_t lo, int64_t hi, int64_t fallback) {
+  if (const char* env = std::getenv(name)) {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    if (*env && !*end && v >= lo && v <= hi) return v;
+  }
+  return fallback;
 }
 
 std::atomic<int64_t>& prefetch() {
-  static std::atomic<int64_t> bytes{initial_prefetch()};
+  static std::atomic<int64_t> bytes{
+      env_int("ROPE_EXT_CPU_PREFETCH", 0, kMaxPrefetch, vendor_prefetch().bytes)};
   return bytes;
+}
+
+std::atomic<int>& level() {
+  static std::atomic<int> l{
+      int(env_int("ROPE_EXT_CPU_PREFETCH_LEVEL", 1, 2, vendor_prefetch().level))};
+  return l;
 }
 
 }  // namespace
@@ -160,6 +186,14 @@ bool isa_supported(const char* name) {
 }
 
 int64_t prefetch_distance() { return prefetch().load(std::memory_order_relaxed); }
+
+int prefetch_level() { return level().load(std::memory_order_relaxed); }
+
+bool set_prefetch_level(int64_t l) {
+  if (l != 1 && l != 2) return false;
+  level().store(int(l), std::memory_order_relaxed);
+  return true;
+}
 
 bool set_prefetch_distance(int64_t bytes) {
   if (bytes < 0 || bytes > kMaxPrefetch) return false;

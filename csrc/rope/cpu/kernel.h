@@ -90,13 +90,14 @@ struct ScalarHead : ScalarTable {
 
 // Software prefetch of a head loop (cpu.h, prefetch_distance): before head i
 // of a token's n heads (at `in`, stride si) is read, head i + d is hinted into
-// L1, or past the token's last head, head i + d - n of the next token's (at
-// `next`; nullptr for the last token of the call). So every hinted line is one
-// the loop reads next, and none lies outside the tensor. d = 0: no hints.
+// L1 (or L2 when l2: cpu.h, prefetch_level), or past the token's last head, head i + d - n of the
+// next token's (at `next`; nullptr for the last token of the call). So every hinted line is one the
+// loop reads next, and none lies outside the tensor. d = 0: no hints.
 template <class T>
 struct Ahead {
   const T* next = nullptr;
   int64_t d = 0;  // at most n
+  bool l2 = false;
 
   // The head that head i hints (nullptr: none).
   constexpr const T* target(const T* in, int64_t i, int64_t n, int64_t si) const {
@@ -107,16 +108,22 @@ struct Ahead {
   __attribute__((always_inline)) void hint(const T* in, int64_t i, int64_t n, int64_t si,
                                            int64_t bytes) const {
     if (const T* h = target(in, i, n, si))
-      for (int64_t x = 0; x < bytes; x += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(h) + x);
+      for (int64_t x = 0; x < bytes; x += 64) line(reinterpret_cast<const char*>(h) + x);
   }
   // The same for heads of Bytes bytes (the unrolled head loops).
   template <int Bytes>
   __attribute__((always_inline)) void hint(const T* in, int64_t i, int64_t n, int64_t si) const {
     if (const T* h = target(in, i, n, si)) {
 #pragma GCC unroll 16
-      for (int x = 0; x < Bytes; x += 64) __builtin_prefetch(reinterpret_cast<const char*>(h) + x);
+      for (int x = 0; x < Bytes; x += 64) line(reinterpret_cast<const char*>(h) + x);
     }
+  }
+  // One line's hint: prefetcht0 or prefetcht1.
+  __attribute__((always_inline)) void line(const char* a) const {
+    if (l2)
+      __builtin_prefetch(a, 0, 2);
+    else
+      __builtin_prefetch(a, 0, 3);
   }
 };
 
@@ -270,6 +277,7 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
   TokenTable<T, CS, Pos, Interleaved, Head> table(p);
   const int64_t head_bytes = int64_t(D) * int64_t(sizeof(T));
   const int64_t ahead = heads_ahead(p, head_bytes);
+  const bool l2 = cpu::prefetch_level() == 2;
 
   for (int64_t token = begin; token < end; ++token) {
     TokenOffsets o = token_offsets(p, token);
@@ -292,7 +300,7 @@ void rotate_tokens_impl(const RopeParams& p, int64_t begin, int64_t end) {
         const int64_t si = t.n_head_dims ? t.in_head_stride[0] : 0;
         const int64_t so = t.n_head_dims ? t.out_head_stride[0] : 0;
         const Ahead<T> pf{has_next ? static_cast<const T*>(t.in) + next.in[ti] + off : nullptr,
-                          std::min(ahead, t.n_heads)};
+                          std::min(ahead, t.n_heads), l2};
         if constexpr (requires {
                         Head::template rotate_heads<T, Interleaved, A>(in, out, si, so, int64_t{},
                                                                        tab, D, copy_pass, pf);

@@ -150,6 +150,7 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
   std::vector<A> scales(size_t(std::max(p.t[0].n_heads, p.t[1].n_heads)));
   const int64_t head_bytes = int64_t(D) * int64_t(sizeof(T));
   const int64_t ahead = heads_ahead(p, head_bytes);  // the prefetch (Ahead)
+  const bool l2 = cpu::prefetch_level() == 2;
   for (int64_t token = begin; token < end; ++token) {
     const TokenOffsets o = token_offsets(p, token);
     const bool has_next = ahead && token + 1 < p.n_tokens;
@@ -163,7 +164,7 @@ void norm_rotate_tokens_impl(const NormParams& np, int64_t begin, int64_t end) {
       const bool flat = p.t[t].n_head_dims <= 1;
       const int64_t si = p.t[t].n_head_dims ? p.t[t].in_head_stride[0] : 0;
       const Ahead<T> pf{has_next ? static_cast<const T*>(p.t[t].in) + next.in[t] : nullptr,
-                        flat ? std::min(ahead, n) : 0};
+                        flat ? std::min(ahead, n) : 0, l2};
       // The scales of all the token's heads first: independent chains of
       // dependent operations, which the CPU overlaps (head by head, each
       // chain would stall the rotation that needs it).
