@@ -502,6 +502,7 @@ namespace rope {
 
 const cpu::RowOps cpu::detail::kRowsAvx2{{host::quant_row8<float>, host::quant_row<double>,
                                           host::quant_row8<Half>, host::quant_row8<BFloat16>},
+                                         host::dequant_row8,
                                          host::copy_row_nt,
                                          host::store_fence,
                                          true};

@@ -112,6 +112,48 @@ void quant_row8(const void* xv, uint8_t* dst, int64_t n, float scale, Fp8 t, boo
   }
 }
 
+// Floats of eight fp8 codes: avx512_rows.h's fp8_floats16 on eight lanes.
+template <bool E4>
+inline __m256 fp8_floats8(__m256i b) {
+  constexpr int kShift = E4 ? 20 : 21, kFirstNormal = E4 ? 8 : 4;
+  constexpr uint32_t kRebias = E4 ? 120u << 23 : 112u << 23;
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  __m256i r = _mm256_add_epi32(_mm256_slli_epi32(mag, kShift), _mm256_set1_epi32(int(kRebias)));
+  const __m256 sub =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(E4 ? 0x1p-9f : 0x1p-16f));
+  r = _mm256_blendv_epi8(r, _mm256_castps_si256(sub),
+                         _mm256_cmpgt_epi32(_mm256_set1_epi32(kFirstNormal), mag));
+  if constexpr (E4) {
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000),
+                           _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
+  } else {
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7f800000),
+                           _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7c)));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000),
+                           _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7c)));
+  }
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
+}
+
+// Eight codes at a time, then code by code.
+template <bool E4>
+void dequant_row8(const uint8_t* codes, float* dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i b =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(fp8_floats8<E4>(b), s));
+  }
+  for (; i < n; ++i) dst[i] = fp8_to_float(codes[i], E4 ? Fp8::kE4M3 : Fp8::kE5M2) * scale;
+}
+
+inline void dequant_row8(const uint8_t* codes, float* dst, int64_t n, float scale, Fp8 t) {
+  if (t == Fp8::kE4M3) return dequant_row8<true>(codes, dst, n, scale);
+  dequant_row8<false>(codes, dst, n, scale);
+}
+
 // Whole 32-byte-aligned rows (every cache row of D >= 16 16-bit values in a
 // torch allocation) with streaming stores; others with memcpy.
 inline void copy_row_nt(const void* x, void* dst, int64_t bytes) {

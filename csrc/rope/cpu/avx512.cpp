@@ -51,6 +51,7 @@ void rope::cpu::detail::norm_rotate_tokens_avx512(const NormParams& np, int64_t 
 const rope::cpu::RowOps rope::cpu::detail::kRowsAvx512{
     {host::quant_row16<float>, host::quant_row<double>, host::quant_row16<Half>,
      host::quant_row16<BFloat16>},
+    host::dequant_row16,
     host::copy_row_nt64,
     host::store_fence512,
     false};

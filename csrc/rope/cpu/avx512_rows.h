@@ -124,6 +124,56 @@ void quant_row16(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t, boo
   quant_row16<T, false>(static_cast<const T*>(x), dst, n, scale, stream);
 }
 
+// Floats of sixteen fp8 codes (the low byte of each lane; fp8_to_float of serving.h): a normal
+// code's exponent and mantissa moved into place and the exponent rebased, a subnormal code's
+// mantissa m converted as m * 2^-9 (e4m3) / m * 2^-16 (e5m2), exactly and without a subnormal float
+// on the way (the same under FTZ / DAZ); NaN and infinity codes the canonical floats; then the
+// sign.
+template <bool E4>
+inline __m512 fp8_floats16(__m512i b) {
+  constexpr int kShift = E4 ? 20 : 21, kFirstNormal = E4 ? 8 : 4;
+  constexpr uint32_t kRebias = E4 ? 120u << 23 : 112u << 23;
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  __m512i r = _mm512_add_epi32(_mm512_slli_epi32(mag, kShift), _mm512_set1_epi32(int(kRebias)));
+  const __m512 sub =
+      _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(E4 ? 0x1p-9f : 0x1p-16f));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(kFirstNormal)),
+                            _mm512_castps_si512(sub));
+  if constexpr (E4) {
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)),
+                              _mm512_set1_epi32(0x7fc00000));
+  } else {
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7c)),
+                              _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7c)),
+                              _mm512_set1_epi32(0x7fc00000));
+  }
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(r, sign));
+}
+
+// Sixteen codes at a time, then a masked tail.
+template <bool E4>
+void dequant_row16(const uint8_t* codes, float* dst, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(fp8_floats16<E4>(b), s));
+  }
+  if (i < n) {
+    const __mmask16 m = lanes(int(n - i));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, codes + i));
+    _mm512_mask_storeu_ps(dst + i, m, _mm512_mul_ps(fp8_floats16<E4>(b), s));
+  }
+}
+
+inline void dequant_row16(const uint8_t* codes, float* dst, int64_t n, float scale, Fp8 t) {
+  if (t == Fp8::kE4M3) return dequant_row16<true>(codes, dst, n, scale);
+  dequant_row16<false>(codes, dst, n, scale);
+}
+
 // Rows whose start and length are multiples of 64 bytes (cache rows of D >= 32 16-bit values in a
 // torch allocation) with 64-byte streaming stores, of 32 with 32-byte ones; others with memcpy.
 inline void copy_row_nt64(const void* x, void* dst, int64_t bytes) {

@@ -21,6 +21,9 @@ struct RowOps {
   // non-temporal stores where whole aligned 64-byte blocks allow (as copy
   // does; then the thread calls fence() after its last row).
   void (*quant[4])(const void* x, uint8_t* dst, int64_t n, float scale, Fp8 t, bool stream);
+  // dst[0, n) = fp8_to_float(codes[i], t) * scale (serving.h): fp8 rows read back as float32 (the
+  // re-rotation of an fp8 key cache).
+  void (*dequant)(const uint8_t* codes, float* dst, int64_t n, float scale, Fp8 t);
   // dst[0, bytes) = x[0, bytes): a KV-cache row of a call that writes many
   // (kv_cache.cpp: kStreamMinBytes). The vector builds write whole aligned
   // rows with non-temporal stores (a row is written once, to a line not in
@@ -85,9 +88,31 @@ inline void copy_row(const void* x, void* dst, int64_t bytes) {
 }
 inline void no_fence() {}
 
+// The float of each fp8 code (fp8_to_float), per type.
+inline const float* fp8_values(Fp8 t) {
+  static const auto tables = [] {
+    struct {
+      float v[2][256];
+    } r{};
+    for (int b = 0; b < 256; ++b) {
+      r.v[0][b] = fp8_to_float(uint8_t(b), Fp8::kE4M3);
+      r.v[1][b] = fp8_to_float(uint8_t(b), Fp8::kE5M2);
+    }
+    return r;
+  }();
+  return tables.v[t == Fp8::kE4M3 ? 0 : 1];
+}
+
+// The portable dequantization: a lookup per code.
+inline void dequant_row(const uint8_t* codes, float* dst, int64_t n, float scale, Fp8 t) {
+  const float* v = fp8_values(t);
+  for (int64_t i = 0; i < n; ++i) dst[i] = v[codes[i]] * scale;
+}
+
 // The portable table.
 inline constexpr cpu::RowOps kPortableRows{
     {quant_row<float>, quant_row<double>, quant_row<Half>, quant_row<BFloat16>},
+    dequant_row,
     copy_row,
     no_fence,
     true};

@@ -2,9 +2,9 @@
 // cache row (every head) is one token of the vectorized rotation kernel of
 // rotate_tokens, at its slot's row (RopeParams::tok_rows), by the table row
 // |delta| (inversely for a negative delta): the bits of apply_rotary on that
-// row. fp8 rows go through
-// a float32 scratch: dequantized, rotated, requantized by the row kernel.
-#include <array>
+// row. fp8 rows go through a float32 scratch a run of tokens at a time:
+// dequantized, rotated, requantized by the row kernels (fp8_rows.h).
+#include <algorithm>
 #include <vector>
 
 #include "cpu.h"
@@ -14,18 +14,8 @@ namespace rope {
 namespace cpu {
 namespace {
 
-// float of each fp8 code (fp8_to_float), per type: a lookup per element.
-const float* fp8_values(Fp8 t) {
-  static const auto tables = [] {
-    std::array<std::array<float, 256>, 2> v{};
-    for (int b = 0; b < 256; ++b) {
-      v[0][b] = fp8_to_float(uint8_t(b), Fp8::kE4M3);
-      v[1][b] = fp8_to_float(uint8_t(b), Fp8::kE5M2);
-    }
-    return v;
-  }();
-  return tables[t == Fp8::kE4M3 ? 0 : 1].data();
-}
+// Floats of the fp8 path's scratch (128 KiB: a run of tokens' rows stays in L2).
+constexpr int64_t kScratchFloats = int64_t(1) << 15;
 
 }  // namespace
 
@@ -67,34 +57,72 @@ void rerotate_tokens(const RerotateParams& rp, int64_t begin, int64_t end) {
     }
     return;
   }
-  // fp8, a token at a time: the rotated features of every head into the scratch [hk, R] as float32,
-  // rotated, requantized.
+  // fp8, runs of tokens whose rows fill at most kScratchFloats: the rotated features of every
+  // head dequantized into the float32 scratch [n, hk, R], rotated by one call per direction (as
+  // above, each token at its scratch row), requantized.
   const float scale = rp.cache.scale ? *rp.cache.scale : 1.0f;
-  const float* values = fp8_values(rp.fp8);
+  const int64_t row_floats = hk * R;
+  const int64_t chunk = std::max<int64_t>(1, kScratchFloats / std::max<int64_t>(row_floats, 1));
   thread_local std::vector<float> scratch;
-  scratch.resize(size_t(hk * R));
-  const auto quant = row_ops().quant[int(DType::kFloat32)];
-  for (int64_t t = begin; t < end; ++t) {
-    bool inverse = false;
-    int64_t row = shift(t, inverse);
-    if (row < 0) continue;
-    RopeParams r = p;
-    r.inverse = inverse;
-    r.n_tok_dims = 0;
-    r.n_tokens = 1;
-    r.positions = &row;
-    r.pos_int64 = true;
-    uint8_t* codes = static_cast<uint8_t*>(rp.cache.data) +
-                     slot_offset(rp.cache, rp.block_size, rp.slots[t]) + p.rot_offset;
+  thread_local std::vector<int64_t> rows, offsets;
+  thread_local std::vector<uint8_t*> cells;
+  scratch.resize(size_t(std::min(chunk, end - begin) * row_floats));
+  const RowOps& ops = row_ops();
+  const auto quant = ops.quant[int(DType::kFloat32)];
+  // The rows sit at random slots, which no hardware prefetcher foresees: while a token is
+  // dequantized, the next token's rotated codes are hinted (cpu.h, prefetch_distance; none when 0).
+  const bool hints = prefetch_distance() > 0, l2 = prefetch_level() == 2;
+  auto hint = [&](int64_t t) {
+    const int64_t slot = t < end ? rp.slots[t] : -1;
+    if (!hints || slot < 0 || slot >= rp.n_cache_slots) return;
+    const char* c = static_cast<const char*>(rp.cache.data) +
+                    slot_offset(rp.cache, rp.block_size, slot) + p.rot_offset;
     for (int64_t h = 0; h < hk; ++h)
-      for (int64_t j = 0; j < R; ++j) scratch[h * R + j] = values[codes[h * hs + j]] * scale;
-    r.head_dim = r.rotary_dim;
-    r.rot_offset = 0;
-    r.t[0].in = r.t[0].out = scratch.data();
-    r.t[0].in_head_stride[0] = r.t[0].out_head_stride[0] = R;
-    rotate_tokens(r, 0, 1);
-    for (int64_t h = 0; h < hk; ++h)
-      quant(scratch.data() + h * R, codes + h * hs, R, scale, rp.fp8, false);
+      for (int64_t x = 0; x < R; x += 64) {
+        if (l2)
+          __builtin_prefetch(c + h * hs + x, 0, 2);
+        else
+          __builtin_prefetch(c + h * hs + x, 0, 3);
+      }
+  };
+  for (int64_t first = begin; first < end; first += chunk) {
+    const int64_t last = std::min(end, first + chunk);
+    for (const bool backward : {false, true}) {
+      rows.clear();
+      offsets.clear();
+      cells.clear();
+      for (int64_t t = first; t < last; ++t) {
+        if (!backward) hint(t + 1);  // the second pass finds the rows the first one hinted
+        bool inverse = false;
+        const int64_t row = shift(t, inverse);
+        if (row < 0 || inverse != backward) continue;
+        uint8_t* codes = static_cast<uint8_t*>(rp.cache.data) +
+                         slot_offset(rp.cache, rp.block_size, rp.slots[t]) + p.rot_offset;
+        float* x = scratch.data() + int64_t(rows.size()) * row_floats;
+        for (int64_t h = 0; h < hk; ++h) ops.dequant(codes + h * hs, x + h * R, R, scale, rp.fp8);
+        offsets.push_back(int64_t(rows.size()) * row_floats);
+        rows.push_back(row);
+        cells.push_back(codes);
+      }
+      if (rows.empty()) continue;
+      RopeParams r = p;
+      r.inverse = backward;
+      r.n_tok_dims = 1;
+      r.n_tokens = r.tok_size[0] = int64_t(rows.size());
+      r.positions = rows.data();
+      r.pos_int64 = true;
+      r.pos_stride[0] = 1;
+      r.tok_rows = offsets.data();
+      r.head_dim = r.rotary_dim;
+      r.rot_offset = 0;
+      r.t[0].in = r.t[0].out = scratch.data();
+      r.t[0].in_head_stride[0] = r.t[0].out_head_stride[0] = R;
+      rotate_tokens(r, 0, r.n_tokens);
+      for (size_t i = 0; i < cells.size(); ++i)
+        for (int64_t h = 0; h < hk; ++h)
+          quant(scratch.data() + int64_t(i) * row_floats + h * R, cells[i] + h * hs, R, scale,
+                rp.fp8, false);
+    }
   }
 }
 
