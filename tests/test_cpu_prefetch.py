@@ -51,7 +51,7 @@ def _views(qkv, head_dim):
 
 
 def _ops_outputs(dtype, head_dim, interleaved):
-    """Every CPU op with a prefetching head loop, on separate q, k and on views of one packed qkv."""
+    """Every CPU op that hints memory ahead, on separate q, k and on views of one packed qkv."""
     g = torch.Generator().manual_seed(head_dim)
     T = _tokens(dtype, head_dim)
     qkv = torch.randn(T, (HQ + 2 * HK) * head_dim, generator=g).to(dtype)
@@ -74,6 +74,13 @@ def _ops_outputs(dtype, head_dim, interleaved):
         *_views(cached, head_dim), pos, cs, key_cache, value_cache, slots, **il
     )
     out["apply_rotary_qk_and_cache_"] = (cached, key_cache, value_cache)
+    # the re-rotation of those keys (its fp8 path hints the next token's row), float and fp8
+    delta = torch.randint(-511, 512, (T,), generator=g)
+    shifted = key_cache.clone()
+    rope_ext.rerotate_kv_cache_(shifted, slots, delta, cs, **il)
+    codes = key_cache.to(torch.float8_e4m3fn)
+    rope_ext.rerotate_kv_cache_(codes, slots, delta, cs, k_scale=torch.tensor([0.37]), **il)
+    out["rerotate_kv_cache_"] = (shifted, codes)
     w = torch.randn(head_dim, generator=g).to(dtype) * 0.1 + 1
     normed = qkv.clone()
     rope_ext.apply_qk_norm_rotary_(normed, HQ, HK, HK, w, w, pos, cs, **il)
