@@ -222,7 +222,6 @@ def _mla_checked(inputs: tuple, options: tuple) -> None:
     MLA_CACHE.call(a)
 
 
-@typed_errors
 def rerotate_kv_cache_(
     key_cache: Tensor,
     slot_mapping: Tensor,
@@ -253,11 +252,34 @@ def rerotate_kv_cache_(
     calls raise instead. One launch on CUDA, CUDA-graph safe with tensor arguments (an int delta is
     copied to the device). Not differentiable.
     """
-    delta = shift_tensor(delta, key_cache)
-    a = REROTATE.check(
-        (key_cache, slot_mapping, delta, cos_sin), (k_scale, interleaved, layout, rotary_offset)
-    )
-    REROTATE.call(a)
+    options = (k_scale, interleaved, layout, rotary_offset)
+    if (
+        type(key_cache) is type(slot_mapping) is type(cos_sin) is Tensor
+        and type(delta) in (Tensor, int)
+        and (k_scale is None or type(k_scale) is Tensor)
+        and type(layout) is str
+        and type(rotary_offset) is int
+        and not key_cache.requires_grad
+        and not position_checks.on_device
+        and not _is_compiling()
+    ):
+        # The common eager call (a decode step's shift): straight to the op, which checks everything else
+        # (as in apply_rotary_qk_and_cache_).
+        inputs = (key_cache, slot_mapping, shift_tensor(delta, key_cache), cos_sin)
+        try:
+            REROTATE.eager(inputs, options)
+        except Exception as e:
+            REROTATE.reject(inputs, options, e)
+        return
+    _rerotate_checked((key_cache, slot_mapping, delta, cos_sin), options)
+
+
+@typed_errors
+def _rerotate_checked(inputs: tuple, options: tuple) -> None:
+    """``rerotate_kv_cache_`` past the eager fast path: every check, and ``torch.compile``."""
+    key_cache, slot_mapping, delta, cos_sin = inputs
+    inputs = (key_cache, slot_mapping, shift_tensor(delta, key_cache), cos_sin)
+    REROTATE.call(REROTATE.check(inputs, options))
 
 
 def apply_qk_norm_rotary_(

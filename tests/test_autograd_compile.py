@@ -183,8 +183,8 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _plain_cases(dtype):
     """(short overload, its args, the default overload's args with every option spelled out, the API call,
-    the mutated argument indices) for rotary_qk_, rotary_qk_cache_ (.plain, and .scaled into fp8 caches)
-    and qk_norm_rotary_packed_."""
+    the mutated argument indices) for rotary_qk_, rotary_qk_cache_ (.plain, and .scaled into fp8 caches),
+    qk_norm_rotary_packed_ and rerotate_kv_cache_ (.plain, and .scaled for an fp8 cache)."""
     g = torch.Generator().manual_seed(5)
     T, Hq, Hk, D = 6, 4, 2, 64
     cs = rope_ext.RopeCache(D, max_positions=32).cos_sin
@@ -200,6 +200,7 @@ def _plain_cases(dtype):
     slots = torch.tensor([3, -1, 9, 0, 15, 6])
     qw, kw = torch.randn(D, generator=g), torch.randn(D, generator=g)
     heads = (Hq, Hk, Hk)
+    delta = torch.tensor([5, -3, 0, 31, -31, 2])  # shifts of a re-rotation of the keys at the slots
     return [
         (
             OPS.rotary_qk_.plain,
@@ -227,6 +228,20 @@ def _plain_cases(dtype):
             (qkv, *heads, qw, kw, pos, cs),
             (1e-6, False, 0.0, 0, None, False),
             lambda a: rope_ext.apply_qk_norm_rotary_(*a),
+            (0,),
+        ),
+        (
+            OPS.rerotate_kv_cache_.plain,
+            (kc, slots, delta, cs),
+            (None, False, "NHD", 0),
+            lambda a: rope_ext.rerotate_kv_cache_(*a),
+            (0,),
+        ),
+        (
+            OPS.rerotate_kv_cache_.scaled,
+            (kc8, slots, delta, cs, scales[0]),
+            (False, "NHD", 0),
+            lambda a: rope_ext.rerotate_kv_cache_(*a[:4], k_scale=a[4]),
             (0,),
         ),
     ]
@@ -267,6 +282,7 @@ def test_plain_overloads(dtype):
         utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         fp8 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in args)
         opcheck(plain, _clone_args(args), test_utils=utils if fp8 else ("test_schema", *utils))
+        torch._dynamo.reset()  # one lambda compiled per case and dtype: past dynamo's recompile limit
         compiled = torch.compile(lambda *t, op=plain: op(*t), fullgraph=True)
         d = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in args)  # separate tensors
         compiled(*d)

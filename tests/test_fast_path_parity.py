@@ -1,13 +1,14 @@
 """Each public op with an eager fast path decides every call as its general path does.
 
-``apply_rotary_qk_``, ``apply_rotary_qk_and_cache_`` and ``apply_qk_norm_rotary_`` send their common eager
-call straight to the op and everything else through a checked general function
-(``_rotary_qk_inplace_checked``, ``_cache_checked``, ``_qk_norm_checked``). Every combination of the option
-values below, valid and invalid, must give the same outcome both ways: the same bits in every tensor the
-op writes, or the same exception type with nothing written. ``set_position_checks(True)`` forces the
-general path (on CPU it changes nothing else: CPU positions are always checked), and a counter on the
-general function shows which path each call took. Each value says whether it keeps a call on the fast
-path, so a guard that stopped taking the fast path (which would make the comparison vacuous) fails too.
+``apply_rotary_qk_``, ``apply_rotary_qk_and_cache_``, ``apply_qk_norm_rotary_`` and ``rerotate_kv_cache_``
+send their common eager call straight to the op and everything else through a checked general function
+(``_rotary_qk_inplace_checked``, ``_cache_checked``, ``_qk_norm_checked``, ``_rerotate_checked``). Every
+combination of the option values below, valid and invalid, must give the same outcome both ways: the same
+bits in every tensor the op writes, or the same exception type with nothing written.
+``set_position_checks(True)`` forces the general path (on CPU it changes nothing else: CPU positions are
+always checked), and a counter on the general function shows which path each call took. Each value says
+whether it keeps a call on the fast path, so a guard that stopped taking the fast path (which would make the
+comparison vacuous) fails too.
 The other ops (``apply_rotary``, ``apply_rotary_qk``, ``apply_qk_norm_rotary``) have a single path.
 """
 
@@ -345,6 +346,77 @@ def test_apply_qk_norm_rotary_(monkeypatch):
     groups = [NORM_OPTIONS, NORM_CHOICE | SERVING_MROPE, NORM_CHOICE | NORM_SHAPES]
     cases = _combos([*groups, NORM_CHOICE | {"not_tensor": NOT_TENSOR}])
     _check_parity(monkeypatch, serving, "_qk_norm_checked", cases, _run_norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# rerotate_kv_cache_ (an int delta becomes a one-element tensor first, on both paths).
+
+REROTATE_OPTIONS = {
+    "interleaved": INTERLEAVED,
+    "layout": [V("NHD", "NHD"), V("HND", "HND"), V("bad", "nhd"), V("int", 0, fast=False)],
+    # cache dtype, k_scale
+    "scales": [
+        V("none", (torch.float32, None)), V("fp8", (FP8, None)), V("fp8-scaled", (FP8, 0.5)),
+        V("unscaled", (torch.float32, 0.5)), V("float", (FP8, "float"), fast=False),
+        V("shape", (FP8, "shape")),
+    ],
+    "rotary_offset": ROTARY_OFFSET,
+}  # fmt: skip
+REROTATE_CHOICE = {
+    "interleaved": INTERLEAVED[:2],
+    "scales": REROTATE_OPTIONS["scales"][:3],
+    "rotary_offset": ROTARY_OFFSET[:2],
+}
+REROTATE_ARGS = {
+    "delta": [
+        V("[T]", "tokens"), V("one", "one"), V("int", 3), V("neg-int", -5), V("int-P", P),
+        V("int-2^63", 2**63), V("bool", True, fast=False), V("int32", "int32"), V("float", "float"),
+        V("past-table", "past"), V("2-d", "2d"),
+    ],
+    "slots": [
+        V("ok", "ok"), V("repeated", "repeated"), V("outside", "outside"), V("int32", "int32"),
+        V("2-d", "2d"),
+    ],
+}  # fmt: skip
+REROTATE_TYPES = {
+    "not_tensor": [
+        V("tensors", None), V("cos_sin", "cos_sin", fast=False),
+        V("slot_mapping", "slot_mapping", fast=False), V("key_cache", "key_cache", fast=False),
+    ],
+    "grad": [V("none", False), V("requires-grad", True, fast=False)],
+}  # fmt: skip
+_SLOTS = {
+    "ok": torch.tensor([5, -1, 0, 11]), "repeated": torch.tensor([5, -1, 5, 11]),
+    "outside": torch.tensor([5, -1, 0, 12]), "int32": torch.tensor([5, -1, 0, 11], dtype=torch.int32),
+    "2d": torch.tensor([[5, -1], [0, 11]]),
+}  # fmt: skip
+_DELTAS = {
+    "tokens": torch.tensor([3, -2, 0, P - 1]), "one": torch.tensor([4]),
+    "int32": torch.tensor([3, -2, 0, 1], dtype=torch.int32), "float": torch.tensor([3.0, -2.0, 0.0, 1.0]),
+    "past": torch.tensor([3, -P, 0, 1]), "2d": torch.tensor([[3, -2], [0, 1]]),
+}  # fmt: skip
+
+
+def _run_rerotate(o):
+    cache_dtype, k_scale = o["scales"]
+    shape = (3, HK, 4, D) if o["layout"] == "HND" else (3, 4, HK, D)  # 12 slots
+    key_cache = _randn(*shape, seed=3).to(cache_dtype).requires_grad_(o["grad"])
+    delta = _DELTAS.get(o["delta"], o["delta"]) if isinstance(o["delta"], str) else o["delta"]
+    kw = {n: o[n] for n in ("interleaved", "layout", "rotary_offset")}
+    args = [
+        _listed(o, n, t)
+        for n, t in (("key_cache", key_cache), ("slot_mapping", _SLOTS[o["slots"]]), ("cos_sin", _CS))
+    ]
+
+    def call():
+        rope_ext.rerotate_kv_cache_(args[0], args[1], delta, args[2], k_scale=_scale(k_scale), **kw)
+
+    return call, [key_cache]
+
+
+def test_rerotate_kv_cache_(monkeypatch):
+    groups = [REROTATE_OPTIONS, REROTATE_CHOICE | REROTATE_ARGS, REROTATE_CHOICE | REROTATE_TYPES]
+    _check_parity(monkeypatch, serving, "_rerotate_checked", _combos(groups), _run_rerotate)
 
 
 @pytest.mark.parametrize("run", [_run_qk, _run_cache, _run_norm], ids=["qk_", "cache_", "norm_"])

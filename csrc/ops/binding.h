@@ -151,6 +151,15 @@ inline void qk_norm_rotary_packed_plain(const Backend& b, const Tensor& qkv, int
                          positions, cos_sin, kDefaultNormEps, false, 0.0, 0, std::nullopt, false);
 }
 
+inline void rerotate_plain(const Backend& b, const Tensor& key_cache, const Tensor& slot_mapping,
+                           const Tensor& delta, const Tensor& cos_sin) {
+  rerotate_kv_cache_(b, key_cache, slot_mapping, delta, cos_sin, std::nullopt, false, "NHD", 0);
+}
+inline void rerotate_scaled(const Backend& b, const Tensor& key_cache, const Tensor& slot_mapping,
+                            const Tensor& delta, const Tensor& cos_sin, const Tensor& k_scale) {
+  rerotate_kv_cache_(b, key_cache, slot_mapping, delta, cos_sin, k_scale, false, "NHD", 0);
+}
+
 // rope_ext::_angle_rows: float64 rows [n, rotary_dim] of positions [n] and
 // frequencies [rotary_dim] (binding.cpp).
 Tensor angle_rows_op(const Backend& backend, const Tensor& positions, const Tensor& freqs);
@@ -187,6 +196,8 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   impl<&rotary_qk_cache_scaled, B>(m, "rotary_qk_cache_.scaled");
   impl<&rotary_qk_cache_paged, B>(m, "rotary_qk_cache_.paged");
   impl<&qk_norm_rotary_packed_plain, B>(m, "qk_norm_rotary_packed_.plain");
+  impl<&rerotate_plain, B>(m, "rerotate_kv_cache_.plain");
+  impl<&rerotate_scaled, B>(m, "rerotate_kv_cache_.scaled");
   impl<&angle_rows_op, B>(m, "_angle_rows");
 }
 

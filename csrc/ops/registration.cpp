@@ -103,12 +103,12 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
       "Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin, float eps=1e-06, "
       "bool interleaved=False, float weight_offset=0., int rotary_offset=0, "
       "int[]? mrope_section=None, int mrope_interleaved=0) -> ()");
-  // rotary_qk_, rotary_qk_cache_ and qk_norm_rotary_packed_ with every other
-  // argument at its default: the eager calls that pass no option (a decode
+  // rotary_qk_, rotary_qk_cache_, qk_norm_rotary_packed_ and rerotate_kv_cache_
+  // with every other argument at its default: the eager calls that pass no option (a decode
   // step) take these, since a boxed call costs time per schema argument,
   // passed or defaulted (benchmarks/cpu-serving.md). rotary_qk_cache_.scaled adds k_scale and
   // v_scale: fp8 caches, and callers that always pass scales (vLLM's); rotary_qk_cache_.paged adds
-  // page_table (FlashInfer's callers).
+  // page_table (FlashInfer's callers); rerotate_kv_cache_.scaled adds k_scale (fp8 caches).
   m.def("rotary_qk_.plain(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor cos_sin) -> ()");
   m.def(
       "rotary_qk_cache_.plain(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, "
@@ -124,6 +124,12 @@ STABLE_TORCH_LIBRARY(rope_ext, m) {
   m.def(
       "qk_norm_rotary_packed_.plain(Tensor(a!) qkv, int num_heads_q, int num_heads_k, "
       "int num_heads_v, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin) -> ()");
+  m.def(
+      "rerotate_kv_cache_.plain(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+      "Tensor cos_sin) -> ()");
+  m.def(
+      "rerotate_kv_cache_.scaled(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+      "Tensor cos_sin, Tensor k_scale) -> ()");
   // The CPU kernel's instruction sets (csrc/rope/cpu/cpu.h), implemented in
   // ops_cpu.cpp: the one in use ("scalar", "avx2", "avx512", "avx512_bf16",
   // "neon"), whether this CPU runs one, and a switch for tests and benchmarks.
