@@ -29,6 +29,7 @@ __all__ = ["apply_rotary", "apply_rotary_qk", "apply_rotary_qk_", "set_position_
 
 _ops = torch.ops.rope_ext
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 # Instruction sets of the CPU kernel, lowest first within each architecture (csrc/rope/cpu/cpu.h).
 CPU_ISAS = ("scalar", "avx2", "avx512", "avx512_bf16", "neon")
@@ -216,8 +217,8 @@ def apply_rotary_qk_(
     options = (interleaved, inverse, rotary_offset, mrope_section, mrope_interleaved)
     if (
         type(q) is type(positions) is type(cos_sin) is Tensor
-        and not q.requires_grad
-        and (k is None or (type(k) is Tensor and not k.requires_grad))
+        and (k is None or type(k) is Tensor)
+        and not (_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)))
         and type(rotary_offset) is int
         and (mrope_section is None or _int_list(mrope_section))
         and type(mrope_interleaved) in (bool, int)

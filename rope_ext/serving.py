@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 _DEFAULT_EPS = QK_NORM.Args._field_defaults["eps"]  # the schemas' default eps
 
 
@@ -113,9 +114,18 @@ def apply_rotary_qk_and_cache_(
         and type(mrope_interleaved) in (bool, int)
         and not mrope_interleaved
         and type(rotary_offset) is int
-        and not (q.requires_grad or k.requires_grad or v.requires_grad)
-        and not (key_cache.requires_grad or value_cache.requires_grad)
-        and (q_out is None or (type(q_out) is Tensor and not q_out.requires_grad))
+        and (q_out is None or type(q_out) is Tensor)
+        and not (
+            _grad_enabled()
+            and (
+                q.requires_grad
+                or k.requires_grad
+                or v.requires_grad
+                or key_cache.requires_grad
+                or value_cache.requires_grad
+                or (q_out is not None and q_out.requires_grad)
+            )
+        )
         and not position_checks.on_device
         and not _is_compiling()
     ):
@@ -193,8 +203,17 @@ def apply_mla_rotary_and_cache_(
         and (type(slot_mapping) is Tensor or (slot_mapping is None and page_table is not None))
         and positions.dim() == 1
         and type(rotary_offset) is int
-        and not (q.requires_grad or kv_c.requires_grad or k_pe.requires_grad or kv_cache.requires_grad)
-        and (q_out is None or (type(q_out) is Tensor and not q_out.requires_grad))
+        and (q_out is None or type(q_out) is Tensor)
+        and not (
+            _grad_enabled()
+            and (
+                q.requires_grad
+                or kv_c.requires_grad
+                or k_pe.requires_grad
+                or kv_cache.requires_grad
+                or (q_out is not None and q_out.requires_grad)
+            )
+        )
         and not position_checks.on_device
         and not _is_compiling()
     ):
@@ -259,7 +278,7 @@ def rerotate_kv_cache_(
         and (k_scale is None or type(k_scale) is Tensor)
         and type(layout) is str
         and type(rotary_offset) is int
-        and not key_cache.requires_grad
+        and not (_grad_enabled() and key_cache.requires_grad)
         and not position_checks.on_device
         and not _is_compiling()
     ):
@@ -322,7 +341,7 @@ def apply_qk_norm_rotary_(
         and type(mrope_interleaved) in (bool, int)
         and not mrope_interleaved
         and type(rotary_offset) is int
-        and not (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad)
+        and not (_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad))
         and not position_checks.on_device
         and not _is_compiling()
     ):

@@ -29,11 +29,20 @@ FP8 = torch.float8_e4m3fn
 
 
 class V(NamedTuple):
-    """An option value: ``fast`` says whether the guard keeps a call with it on the fast path."""
+    """An option value: ``fast`` says whether the guard keeps a call with it on the fast path (``GRAD_OFF``:
+    only with grad mode off, the case's ``grad_mode`` option, as for a tensor that requires grad)."""
 
     label: str
     value: object
-    fast: bool = True
+    fast: bool | str = True
+
+
+GRAD_OFF = "grad-off"
+
+
+def _fast(case) -> bool:
+    grad_on = dict(case).get("grad_mode", V("enabled", True)).value
+    return all(v.fast is True or (v.fast == GRAD_OFF and not grad_on) for _, v in case)
 
 
 def _combos(groups: list[dict[str, list[V]]]) -> list[tuple[tuple[str, V], ...]]:
@@ -102,7 +111,7 @@ def _check_parity(monkeypatch, module, general_name, cases, run):
     for case in cases:
         options = {n: v.value for n, v in case}
         labels = {n: v.label for n, v in case}
-        fast = all(v.fast for _, v in case)
+        fast = _fast(case)
         outcomes = []
         for general in (False, True):
             call, written = run(options)
@@ -213,7 +222,7 @@ CACHE_OPTIONS = {
     "q_out": [
         V("None", (None, None)), V("same", (torch.float32, None)), V("fp8", (FP8, 0.25)),
         V("scale-only", (None, 0.25)), V("scale-float", (None, "float")), V("str", ("str", None), fast=False),
-        V("requires-grad", ("grad", None), fast=False),
+        V("requires-grad", ("grad", None), fast=GRAD_OFF),
     ],
     "rotary_offset": ROTARY_OFFSET,
 }  # fmt: skip
@@ -383,7 +392,8 @@ REROTATE_TYPES = {
         V("tensors", None), V("cos_sin", "cos_sin", fast=False),
         V("slot_mapping", "slot_mapping", fast=False), V("key_cache", "key_cache", fast=False),
     ],
-    "grad": [V("none", False), V("requires-grad", True, fast=False)],
+    "grad": [V("none", False), V("requires-grad", True, fast=GRAD_OFF)],
+    "grad_mode": [V("enabled", True), V("no_grad", False)],
 }  # fmt: skip
 _SLOTS = {
     "ok": torch.tensor([5, -1, 0, 11]), "repeated": torch.tensor([5, -1, 5, 11]),
@@ -409,7 +419,8 @@ def _run_rerotate(o):
     ]
 
     def call():
-        rope_ext.rerotate_kv_cache_(args[0], args[1], delta, args[2], k_scale=_scale(k_scale), **kw)
+        with torch.set_grad_enabled(o["grad_mode"]):
+            rope_ext.rerotate_kv_cache_(args[0], args[1], delta, args[2], k_scale=_scale(k_scale), **kw)
 
     return call, [key_cache]
 

@@ -130,10 +130,11 @@ struct Fp8Tables {
 };
 
 // A call whose cache rows (copied, or quantized to fp8) add up to kStreamMinBytes or more writes
-// them with streaming stores (no read for ownership of lines it will not read again); a smaller
-// one, a decode step, with plain stores: its few rows skip the store fence, and stay in cache for
-// the attention that reads them next.
-constexpr int64_t kStreamMinBytes = int64_t(1) << 20;
+// them with streaming stores: no read for ownership of lines it will not read again (a new token's
+// slot is a line no call has touched for a while: 16 or more Llama-3-8B tokens from memory took
+// 25-35% less on a Zen 4, benchmarks/cpu-zen4.md). A smaller call, a decode step of a few tokens,
+// stores plainly: its few rows skip the store fence, and stay in cache for the attention next.
+constexpr int64_t kStreamMinBytes = int64_t(64) << 10;
 
 template <class T>
 bool streams_rows(const CacheParams& cp) {
