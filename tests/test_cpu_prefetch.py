@@ -40,7 +40,7 @@ def restore():
 
 def _tokens(dtype, head_dim):
     """Tokens whose q and k heads hold 2 MiB: the kernels prefetch only in calls over 1 MiB of heads
-    (256 KiB with hints into L2: kernel.h, prefetch_min_bytes)."""
+    (256 KiB with hints into L2: cpu.h, hints)."""
     return (2 << 20) // ((HQ + HK) * head_dim * dtype.itemsize) + 1
 
 

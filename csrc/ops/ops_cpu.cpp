@@ -40,29 +40,24 @@ int64_t min_bytes_per_chunk() {
   return bytes;
 }
 
-void launch_cpu(const rope::RopeParams& p, const Tensor&) {
-  int64_t per_token = 0;  // bytes read + written per token
-  for (int t = 0; t < p.n_tensors; ++t) per_token += 2 * p.t[t].n_heads * p.head_dim;
-  per_token *= rope::dtype_size(p.x_dtype);
-  const int64_t grain =
-      std::max<int64_t>(1, min_bytes_per_chunk() / std::max<int64_t>(1, per_token));
-  if (p.n_tokens <= grain) {
-    rope::cpu::rotate_tokens(p, 0, p.n_tokens);  // no call into the thread pool
-    return;
-  }
-  torch::stable::parallel_for(0, p.n_tokens, grain, [&](int64_t begin, int64_t end) {
-    rope::cpu::rotate_tokens(p, begin, end);
-  });
-}
-
-// The serving ops: one parallel pass over tokens, split as launch_cpu does.
+// One parallel pass over tokens of bytes_per_token each: the calling thread alone below two
+// threads' worth of min_bytes_per_chunk(), else blocks of at least that much each (parallel_for
+// alone would split any call over its grain in halves).
 template <class F>
 void over_tokens(int64_t n_tokens, int64_t bytes_per_token, F&& f) {
   const int64_t grain =
       std::max<int64_t>(1, min_bytes_per_chunk() / std::max<int64_t>(1, bytes_per_token));
-  if (n_tokens <= grain) return f(int64_t(0), n_tokens);
-  torch::stable::parallel_for(0, n_tokens, grain,
+  const int64_t blocks = n_tokens / grain;
+  if (blocks < 2) return f(int64_t(0), n_tokens);  // no call into the thread pool
+  torch::stable::parallel_for(0, n_tokens, 1 + (n_tokens - 1) / blocks,
                               [&](int64_t begin, int64_t end) { f(begin, end); });
+}
+
+void launch_cpu(const rope::RopeParams& p, const Tensor&) {
+  int64_t per_token = 0;  // bytes read + written per token
+  for (int t = 0; t < p.n_tensors; ++t) per_token += 2 * p.t[t].n_heads * p.head_dim;
+  over_tokens(p.n_tokens, per_token * rope::dtype_size(p.x_dtype),
+              [&](int64_t begin, int64_t end) { rope::cpu::rotate_tokens(p, begin, end); });
 }
 
 void launch_cache_cpu(const rope::CacheParams& p, const Tensor&) {

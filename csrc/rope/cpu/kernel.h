@@ -142,28 +142,11 @@ static_assert([] {
 }());
 
 // The heads a head loop of the call `p` hints ahead (Ahead::d) for heads of
-// `head_bytes` bytes: none for a call whose rotated heads hold less than
-// prefetch_min_bytes() (their lines mostly in cache already: a small decode step,
-// which the hints would only slow), else prefetch_distance() in whole heads.
-// Hints into L1 wait for 1 MiB (on a Xeon, 64 warm tokens in place took 3-5%
-// longer with them); hints into L2 start at 256 KiB (on a Zen 4, 64 tokens
-// from memory took 20-30% less with them in the cache write and the QK norm,
-// 32 warm tokens the same): benchmarks/cpu-serving.md, cpu-zen4.md.
-constexpr int64_t kPrefetchMinBytes = int64_t(1) << 20;
-constexpr int64_t kL2PrefetchMinBytes = int64_t(256) << 10;
-
-inline int64_t prefetch_min_bytes() {
-  return cpu::prefetch_level() == 2 ? kL2PrefetchMinBytes : kPrefetchMinBytes;
-}
-
+// `head_bytes` bytes: none for a call that does not hint (cpu.h, hints), else
+// prefetch_distance() in whole heads.
 inline int64_t heads_ahead(const RopeParams& p, int64_t head_bytes) {
-  const int64_t bytes = cpu::prefetch_distance();
-  double heads = 0;  // the product in doubles: an expanded input's sizes may overflow int64
-  for (int t = 0; t < p.n_tensors; ++t) heads += double(p.t[t].n_heads);
-  if (bytes == 0 || head_bytes <= 0 ||
-      double(p.n_tokens) * heads * double(head_bytes) < double(prefetch_min_bytes()))
-    return 0;
-  return (bytes + head_bytes - 1) / head_bytes;
+  if (!cpu::hints(p, head_bytes)) return 0;
+  return (cpu::prefetch_distance() + head_bytes - 1) / head_bytes;
 }
 
 // Offsets of the heads of one tensor, walked in order without divisions.
