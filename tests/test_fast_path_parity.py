@@ -180,15 +180,29 @@ QK_TYPES = {
 }
 
 
+# q that requires grad: autograd records the rotation (a leaf: refused) with grad mode on, and nothing
+# with it off, where the op runs as for any q.
+QK_GRAD = {
+    "grad": [V("none", False), V("q", True, fast=GRAD_OFF)],
+    "grad_mode": [V("enabled", True), V("no_grad", False)],
+    "k": QK_OPTIONS["k"],
+}
+
+
 def _run_qk(o):
-    q, k = _randn(T, HQ, D), (_randn(T, HK, D, seed=1) if o["k"] else None)
+    q, k = _randn(T, HQ, D).requires_grad_(o["grad"]), (_randn(T, HK, D, seed=1) if o["k"] else None)
     positions, cos_sin = _listed(o, "positions", o["positions"]), _listed(o, "cos_sin", _CS)
     kw = {n: o[n] for n in ("interleaved", "rotary_offset", "mrope_section", "mrope_interleaved")}
-    return (lambda: rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, **kw)), [q] + ([k] if o["k"] else [])
+
+    def call():
+        with torch.set_grad_enabled(o["grad_mode"]):
+            rope_ext.apply_rotary_qk_(q, k, positions, cos_sin, **kw)
+
+    return call, [q] + ([k] if o["k"] else [])
 
 
 def test_apply_rotary_qk_(monkeypatch):
-    cases = _combos([QK_OPTIONS, QK_TYPES])
+    cases = _combos([QK_OPTIONS, QK_TYPES, QK_GRAD])
     _check_parity(monkeypatch, ops, "_rotary_qk_inplace_checked", cases, _run_qk)
 
 
@@ -320,6 +334,12 @@ NORM_SHAPES = {
     "weights": [V("[D]", "ok"), V("[D+1]", "long"), V("bf16", "bf16"), V("2-d", "2d")],
     "qkv": [V("[T,64]", "ok"), V("strided", "strided"), V("3-d", "3d"), V("last-strided", "cols")],
 }  # fmt: skip
+# qkv (a view of a leaf that requires grad: refused with grad mode on) or the weights requiring grad (the
+# differentiable path with grad mode on); with grad mode off, the op as for any other call.
+NORM_GRAD = {
+    "requires_grad": [V("none", None), V("qkv", "qkv", fast=GRAD_OFF), V("weights", "weights", fast=GRAD_OFF)],
+    "grad_mode": [V("enabled", True), V("no_grad", False)],
+}
 
 
 def _weight(kind, d, seed):
@@ -331,7 +351,7 @@ def _weight(kind, d, seed):
 
 def _run_norm(o):
     width = (HQ + HK + 1) * D
-    base = _randn(2 * T * width, seed=5)  # the storage of every qkv
+    base = _randn(2 * T * width, seed=5).requires_grad_(o["requires_grad"] == "qkv")  # the storage of every qkv
     qkv = {
         "ok": base[: T * width].view(T, width),
         "strided": base.view(T, 2 * width)[:, :width],
@@ -340,20 +360,21 @@ def _run_norm(o):
     }[o["qkv"]]
     heads = o["heads"]
     d = width // max(1, sum(int(h) for h in heads))
-    q_weight, k_weight = _weight(o["weights"], d, 6), _weight(o["weights"], d, 7)
+    q_weight, k_weight = (_weight(o["weights"], d, s).requires_grad_(o["requires_grad"] == "weights") for s in (6, 7))
     kw = {n: o[n] for n in ("eps", "interleaved", "weight_offset", "rotary_offset")}
     kw.update(mrope_section=o["mrope_section"], mrope_interleaved=o["mrope_interleaved"])
     positions, cos_sin = _listed(o, "positions", o["positions"]), _listed(o, "cos_sin", _CS)
 
     def call():
-        rope_ext.apply_qk_norm_rotary_(qkv, *heads, q_weight, k_weight, positions, cos_sin, **kw)
+        with torch.set_grad_enabled(o["grad_mode"]):
+            rope_ext.apply_qk_norm_rotary_(qkv, *heads, q_weight, k_weight, positions, cos_sin, **kw)
 
     return call, [base]
 
 
 def test_apply_qk_norm_rotary_(monkeypatch):
     groups = [NORM_OPTIONS, NORM_CHOICE | SERVING_MROPE, NORM_CHOICE | NORM_SHAPES]
-    cases = _combos([*groups, NORM_CHOICE | {"not_tensor": NOT_TENSOR}])
+    cases = _combos([*groups, NORM_CHOICE | {"not_tensor": NOT_TENSOR}, NORM_CHOICE | NORM_GRAD])
     _check_parity(monkeypatch, serving, "_qk_norm_checked", cases, _run_norm)
 
 
@@ -433,7 +454,8 @@ def test_rerotate_kv_cache_(monkeypatch):
 @pytest.mark.parametrize("run", [_run_qk, _run_cache, _run_norm], ids=["qk_", "cache_", "norm_"])
 def test_mrope_interleaved_needs_a_section(run):
     """``mrope_interleaved=True`` without ``mrope_section`` is rejected by every op, on its default path."""
-    tables = (QK_OPTIONS, QK_TYPES, CACHE_OPTIONS, CACHE_TYPES, NORM_OPTIONS, NORM_SHAPES, SERVING_MROPE)
+    tables = (QK_OPTIONS, QK_TYPES, QK_GRAD, CACHE_OPTIONS, CACHE_TYPES, NORM_OPTIONS, NORM_SHAPES, NORM_GRAD)
+    tables += (SERVING_MROPE,)
     options = {n: v[0].value for table in tables for n, v in table.items()}
     positions = _POS[:, None] if run is _run_qk else _POS
     call, written = run({**options, "positions": positions, "mrope_interleaved": True})
