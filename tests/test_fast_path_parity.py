@@ -337,7 +337,7 @@ NORM_SHAPES = {
 # qkv (a view of a leaf that requires grad: refused with grad mode on) or the weights requiring grad (the
 # differentiable path with grad mode on); with grad mode off, the op as for any other call.
 NORM_GRAD = {
-    "requires_grad": [V("none", None), V("qkv", "qkv", fast=GRAD_OFF), V("weights", "weights", fast=GRAD_OFF)],
+    "requires_grad": [V("none", ""), V("qkv", "qkv", fast=GRAD_OFF), V("weights", "weights", fast=GRAD_OFF)],
     "grad_mode": [V("enabled", True), V("no_grad", False)],
 }
 
@@ -351,7 +351,8 @@ def _weight(kind, d, seed):
 
 def _run_norm(o):
     width = (HQ + HK + 1) * D
-    base = _randn(2 * T * width, seed=5).requires_grad_(o["requires_grad"] == "qkv")  # the storage of every qkv
+    grad = o["requires_grad"]
+    base = _randn(2 * T * width, seed=5).requires_grad_(grad == "qkv")  # the storage of every qkv
     qkv = {
         "ok": base[: T * width].view(T, width),
         "strided": base.view(T, 2 * width)[:, :width],
@@ -360,7 +361,7 @@ def _run_norm(o):
     }[o["qkv"]]
     heads = o["heads"]
     d = width // max(1, sum(int(h) for h in heads))
-    q_weight, k_weight = (_weight(o["weights"], d, s).requires_grad_(o["requires_grad"] == "weights") for s in (6, 7))
+    q_weight, k_weight = (_weight(o["weights"], d, s).requires_grad_(grad == "weights") for s in (6, 7))
     kw = {n: o[n] for n in ("eps", "interleaved", "weight_offset", "rotary_offset")}
     kw.update(mrope_section=o["mrope_section"], mrope_interleaved=o["mrope_interleaved"])
     positions, cos_sin = _listed(o, "positions", o["positions"]), _listed(o, "cos_sin", _CS)
