@@ -1,8 +1,9 @@
 """Each public op with an eager fast path decides every call as its general path does.
 
-``apply_rotary_qk_``, ``apply_rotary_qk_and_cache_``, ``apply_qk_norm_rotary_`` and ``rerotate_kv_cache_``
-send their common eager call straight to the op and everything else through a checked general function
-(``_rotary_qk_inplace_checked``, ``_cache_checked``, ``_qk_norm_checked``, ``_rerotate_checked``). Every
+``apply_rotary_qk_``, ``apply_rotary_qk_and_cache_``, ``apply_mla_rotary_and_cache_``,
+``apply_qk_norm_rotary_`` and ``rerotate_kv_cache_`` send their common eager call straight to the op and
+everything else through a checked general function (``_rotary_qk_inplace_checked``, ``_cache_checked``, ``_mla_checked``, ``_qk_norm_checked``,
+``_rerotate_checked``). Every
 combination of the option values below, valid and invalid, must give the same outcome both ways: the same
 bits in every tensor the op writes, or the same exception type with nothing written.
 ``set_position_checks(True)`` forces the general path (on CPU it changes nothing else: CPU positions are
@@ -464,3 +465,65 @@ def test_mrope_interleaved_needs_a_section(run):
     with pytest.raises(ValueError, match="mrope_interleaved needs mrope_section"):
         call()
     assert all(torch.equal(b, _bits(t)) for b, t in zip(before, written, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_mla_rotary_and_cache_: q [T, H, D] rotated at rotary_offset, k_pe [T, R], kv_c [T, L] and a latent
+# cache [blocks, block_size, L + R].
+
+L = 8  # kv_lora_rank
+MLA_OPTIONS = {
+    "interleaved": INTERLEAVED,
+    "rotary_offset": ROTARY_OFFSET,
+    # cache dtype, kv_scale
+    "scales": [
+        V("none", (torch.float32, None)), V("fp8", (FP8, 0.5)), V("fp8-unscaled", (FP8, None)),
+        V("fp32-scaled", (torch.float32, 0.5)), V("scale-float", (FP8, "float")),
+        V("scale-shape", (FP8, "shape")),
+    ],
+    "inverse": [V("F", False), V("T", True), V("int", 1)],
+    "q_out": [
+        V("none", (None, None)), V("fp32", (torch.float32, None)), V("fp8", (FP8, 0.25)),
+        V("fp8-unscaled", (FP8, None)), V("bf16", (torch.bfloat16, None)),
+        V("str", ("str", None), fast=False), V("requires-grad", ("grad", None), fast=GRAD_OFF),
+    ],
+}  # fmt: skip
+MLA_CHOICE = {
+    "interleaved": INTERLEAVED[:2],
+    "rotary_offset": ROTARY_OFFSET[:2],
+    "q_out": MLA_OPTIONS["q_out"][:3],
+}
+MLA_TYPES = {
+    "not_tensor": [NOT_TENSOR[0], V("cos_sin", "cos_sin"), NOT_TENSOR[2], V("kv_cache", "kv_cache", fast=False)],
+    "positions": [V("[T]", _POS), V("[T,1]", _POS[:, None], fast=False)],
+    "requires_grad": [V("none", ""), V("q", "q", fast=GRAD_OFF), V("kv_cache", "kv_cache", fast=GRAD_OFF)],
+    "grad_mode": [V("enabled", True), V("no_grad", False)],
+}
+
+
+def _run_mla(o):
+    grad = o["requires_grad"]
+    q = _randn(T, HQ, D).requires_grad_(grad == "q")
+    kv_c, k_pe = _randn(T, L, seed=1), _randn(T, R, seed=2)
+    cache_dtype, kv_scale = o["scales"]
+    kv_cache = _randn(3, 4, L + R, seed=3).to(cache_dtype).requires_grad_(grad == "kv_cache")
+    out_kind, q_scale = o["q_out"]
+    q_out = _q_out(out_kind)
+    kw = {n: o[n] for n in ("interleaved", "rotary_offset", "inverse")}
+    kw.update(kv_scale=_scale(kv_scale), q_out=q_out, q_scale=_scale(q_scale))
+    args = [
+        _listed(o, n, t)
+        for n, t in (("positions", o["positions"]), ("cos_sin", _CS), ("kv_cache", kv_cache))
+    ]
+    written = [q, k_pe, kv_cache] + ([q_out] if isinstance(q_out, torch.Tensor) else [])
+
+    def call():
+        with torch.set_grad_enabled(o["grad_mode"]):
+            rope_ext.apply_mla_rotary_and_cache_(q, kv_c, k_pe, *args, torch.tensor([5, -1, 0, 11]), **kw)
+
+    return call, written
+
+
+def test_apply_mla_rotary_and_cache_(monkeypatch):
+    groups = [MLA_OPTIONS, MLA_CHOICE | MLA_TYPES, MLA_CHOICE | {"scales": MLA_OPTIONS["scales"][:3]}]
+    _check_parity(monkeypatch, serving, "_mla_checked", _combos(groups), _run_mla)
