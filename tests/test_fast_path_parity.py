@@ -2,10 +2,10 @@
 
 ``apply_rotary_qk_``, ``apply_rotary_qk_and_cache_``, ``apply_mla_rotary_and_cache_``,
 ``apply_qk_norm_rotary_`` and ``rerotate_kv_cache_`` send their common eager call straight to the op and
-everything else through a checked general function (``_rotary_qk_inplace_checked``, ``_cache_checked``, ``_mla_checked``, ``_qk_norm_checked``,
-``_rerotate_checked``). Every
-combination of the option values below, valid and invalid, must give the same outcome both ways: the same
-bits in every tensor the op writes, or the same exception type with nothing written.
+everything else through a checked general function (``_rotary_qk_inplace_checked``, ``_cache_checked``,
+``_mla_checked``, ``_qk_norm_checked``, ``_rerotate_checked``). Every combination of the option values below,
+valid and invalid, must give the same outcome both ways: the same bits in every tensor the op writes, or the
+same exception type with nothing written.
 ``set_position_checks(True)`` forces the general path (on CPU it changes nothing else: CPU positions are
 always checked), and a counter on the general function shows which path each call took. Each value says
 whether it keeps a call on the fast path, so a guard that stopped taking the fast path (which would make the
@@ -494,7 +494,7 @@ MLA_CHOICE = {
     "q_out": MLA_OPTIONS["q_out"][:3],
 }
 MLA_TYPES = {
-    "not_tensor": [NOT_TENSOR[0], V("cos_sin", "cos_sin"), NOT_TENSOR[2], V("kv_cache", "kv_cache", fast=False)],
+    "not_tensor": [*NOT_TENSOR, V("kv_cache", "kv_cache", fast=False)],
     "positions": [V("[T]", _POS), V("[T,1]", _POS[:, None], fast=False)],
     "requires_grad": [V("none", ""), V("q", "q", fast=GRAD_OFF), V("kv_cache", "kv_cache", fast=GRAD_OFF)],
     "grad_mode": [V("enabled", True), V("no_grad", False)],
