@@ -512,8 +512,7 @@ def _run_mla(o):
     kw = {n: o[n] for n in ("interleaved", "rotary_offset", "inverse")}
     kw.update(kv_scale=_scale(kv_scale), q_out=q_out, q_scale=_scale(q_scale))
     args = [
-        _listed(o, n, t)
-        for n, t in (("positions", o["positions"]), ("cos_sin", _CS), ("kv_cache", kv_cache))
+        _listed(o, n, t) for n, t in (("positions", o["positions"]), ("cos_sin", _CS), ("kv_cache", kv_cache))
     ]
     written = [q, k_pe, kv_cache] + ([q_out] if isinstance(q_out, torch.Tensor) else [])
 
