@@ -81,26 +81,19 @@ int64_t prefetch_distance();
 int prefetch_level();
 
 // Whether the call `p`, of rotated heads of `head_bytes` bytes, hints memory
-// ahead: prefetch_distance() > 0 and its heads hold prefetch_min_bytes() or
-// more (a smaller call, a decode step of a few tokens, finds its lines mostly
-// in cache already, and the hints would only slow it). Hints into L1 wait for
-// 1 MiB (on a Xeon, 64 warm tokens in place took 3-5% longer with them); hints
-// into L2 start at 256 KiB (on a Zen 4, 64 Llama-3-8B tokens from memory took
-// 20-30% less with them in the cache write and the QK norm, 32 warm ones the
-// same): benchmarks/cpu-serving.md, cpu-zen4.md.
+// ahead: prefetch_distance() > 0 and its heads hold enough bytes (a smaller
+// call, a decode step of a few tokens, finds its lines mostly in cache
+// already, and the hints would only slow it). Hints into L1 wait for
+// kPrefetchMinBytes (on a Xeon, 64 warm tokens in place took 3-5% longer with
+// them); hints into L2 start at kL2PrefetchMinBytes (on a Zen 4, 64
+// Llama-3-8B tokens from memory took 20-30% less with them in the cache write
+// and the QK norm, 32 warm ones the same): benchmarks/cpu-serving.md,
+// cpu-zen4.md. Defined in kernel.cpp, the portable build: an inline function
+// here would be compiled into the vector builds too, and the linker could keep
+// their copy.
 constexpr int64_t kPrefetchMinBytes = int64_t(1) << 20;
 constexpr int64_t kL2PrefetchMinBytes = int64_t(256) << 10;
-
-inline int64_t prefetch_min_bytes() {
-  return prefetch_level() == 2 ? kL2PrefetchMinBytes : kPrefetchMinBytes;
-}
-
-inline bool hints(const RopeParams& p, int64_t head_bytes) {
-  double heads = 0;  // the product in doubles: an expanded input's sizes may overflow int64
-  for (int t = 0; t < p.n_tensors; ++t) heads += double(p.t[t].n_heads);
-  return prefetch_distance() > 0 && head_bytes > 0 &&
-         double(p.n_tokens) * heads * double(head_bytes) >= double(prefetch_min_bytes());
-}
+bool hints(const RopeParams& p, int64_t head_bytes);
 
 // Makes `bytes` the prefetch distance from now on; false (and no change)
 // outside [0, kMaxPrefetch]. For tests and benchmarks.

@@ -189,6 +189,14 @@ int64_t prefetch_distance() { return prefetch().load(std::memory_order_relaxed);
 
 int prefetch_level() { return level().load(std::memory_order_relaxed); }
 
+bool hints(const RopeParams& p, int64_t head_bytes) {
+  const int64_t min_bytes = prefetch_level() == 2 ? kL2PrefetchMinBytes : kPrefetchMinBytes;
+  double heads = 0;  // the product in doubles: an expanded input's sizes may overflow int64
+  for (int t = 0; t < p.n_tensors; ++t) heads += double(p.t[t].n_heads);
+  return prefetch_distance() > 0 && head_bytes > 0 &&
+         double(p.n_tokens) * heads * double(head_bytes) >= double(min_bytes);
+}
+
 bool set_prefetch_level(int64_t l) {
   if (l != 1 && l != 2) return false;
   level().store(int(l), std::memory_order_relaxed);
