@@ -1,11 +1,12 @@
 // One thread's arithmetic of two AVX-512 serving kernels on data in L1 / L2, from the project's own
 // headers: the fp8 quantization of bf16 rows (avx512_rows.h, ns per value) and the QK-RMSNorm +
-// rotary head loop (avx512_norm.h, ns per head of 128 bf16). No memory traffic and no call cost: the
-// cost of the instructions alone. benchmarks/cpu-zen4.md. Build and run:
-//   g++ -std=c++20 -O3 -fno-fast-math -ffp-contract=off -I csrc/rope -I csrc/rope/cpu \
-//       benchmarks/kernel_speed.cpp -o /tmp/kernel_speed
+// rotary head loop (avx512_norm.h, ns per head of 128 bf16). No memory traffic and no call cost:
+// the cost of the instructions alone. benchmarks/cpu-zen4.md. Build and run:
+//   g++ -std=c++20 -O3 -fno-fast-math -ffp-contract=off -I csrc/rope -I csrc/rope/cpu
+//       benchmarks/kernel_speed.cpp -o /tmp/kernel_speed  (one line)
 //   /tmp/kernel_speed
-// -DNORM_HEADER='"path"' times another copy of avx512_norm.h (what-if edits), -DROWS_HEADER likewise.
+// -DNORM_HEADER='"path"' times another copy of avx512_norm.h (what-if edits), -DROWS_HEADER
+// likewise.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -43,7 +44,8 @@ double best_ns(F f, double units) {
   for (int run = 0; run < 15; ++run) {
     const auto t = std::chrono::steady_clock::now();
     f();
-    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t).count();
+    const double ns =
+        std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t).count();
     best = std::min(best, ns / units);
   }
   return best;
@@ -68,7 +70,8 @@ int main() {
     const double ns = best_ns(
         [&] {
           for (int r = 0; r < kRowReps; ++r)
-            host::quant_row16<BFloat16>(row.data(), codes.data(), kValues, scale, Fp8::kE4M3, false);
+            host::quant_row16<BFloat16>(row.data(), codes.data(), kValues, scale, Fp8::kE4M3,
+                                        false);
         },
         double(kRowReps) * kValues);
     std::printf("fp8 rows, bf16 -> e4m3, scale %-4g  %.3f ns per value\n", scale, ns);
