@@ -5,8 +5,8 @@
 //   g++ -std=c++20 -O3 -fno-fast-math -ffp-contract=off -I csrc/rope -I csrc/rope/cpu
 //       benchmarks/kernel_speed.cpp -o /tmp/kernel_speed  (one line)
 //   /tmp/kernel_speed
-// -DNORM_HEADER='"path"' times another copy of avx512_norm.h (what-if edits), -DROWS_HEADER
-// likewise.
+// -DHW_BF16=0 times the base AVX-512 build. -DNORM_HEADER='"path"' times another copy of
+// avx512_norm.h (what-if edits), -DROWS_HEADER likewise.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,9 +22,18 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
+#ifndef HW_BF16
+#define HW_BF16 1  // -DHW_BF16=0: the base AVX-512 build (bf16 rounded by integer instructions)
+#endif
+#if HW_BF16
 #define ROPE_ISA avx512_bf16
 #define ROPE_AVX512_HW_BF16 1
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#else
+#define ROPE_ISA avx512
+#define ROPE_AVX512_HW_BF16 0
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
 #include "avx512_kernel.h"
 #ifndef NORM_HEADER
 #define NORM_HEADER "avx512_norm.h"
@@ -101,5 +110,6 @@ int main() {
           }
       },
       double(kNormReps) * kTokens * kHeads);
-  std::printf("QK norm + rotary, bf16, head_dim 128   %.2f ns per head\n", ns);
+  std::printf("QK norm + rotary, bf16, head_dim 128   %.2f ns per head (%s)\n", ns,
+              HW_BF16 ? "avx512_bf16" : "avx512");
 }
