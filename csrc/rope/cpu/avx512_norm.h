@@ -81,9 +81,10 @@ struct Avx512Norm : Avx512Head<R> {
   // each: the head loaded once into registers, its sum of squares (norm_scale's lanes and
   // order) and scale, then every feature normalised, rotated (norm_rotate's arithmetic) and
   // stored: the same bits as norm_scale + norm_rotate, without reading the head twice. Software
-  // pipelined: the next head is loaded and its scale computed while this one is normalised and
-  // rotated, so the chain of the scale (the sum's tree, a division, a square root) overlaps
-  // work instead of stalling the loop.
+  // pipelined two heads deep: head i + 2 is loaded and its scale computed while head i is
+  // normalised and rotated, so the chain of the scale (the sum's tree, a division, a square root)
+  // overlaps work instead of stalling the loop (one head deep is slower, and three spill
+  // registers: benchmarks/cpu-zen4.md).
   template <class T, bool Interleaved, class A>
     requires(R > 0 && !std::is_same_v<T, double>)
   __attribute__((always_inline)) static void norm_heads(const T* in, T* out, int64_t si, int64_t so,
@@ -131,15 +132,18 @@ struct Avx512Norm : Avx512Head<R> {
       for (int k = 0; k < V; k += 2) store_two(o + 16 * k, y[k], y[k + 1]);
     };
     if (n <= 0) return;
-    __m512 a[V], b[V];
-    float ra = load(0, a), rb;
-    for (int64_t head = 0;; head += 2) {  // a holds head `head`
-      if (head + 1 == n) return finish(a, ra, out + head * so);
-      rb = load(head + 1, b);
+    __m512 a[V], b[V], c[V];
+    float ra = load(0, a), rb = n > 1 ? load(1, b) : 0.0f, rc = 0.0f;
+    for (int64_t head = 0;; head += 3) {  // a holds head `head`, b head + 1 (when there)
+      if (head + 2 < n) rc = load(head + 2, c);
       finish(a, ra, out + head * so);
-      if (head + 2 == n) return finish(b, rb, out + (head + 1) * so);
-      ra = load(head + 2, a);
+      if (head + 1 >= n) return;
+      if (head + 3 < n) ra = load(head + 3, a);
       finish(b, rb, out + (head + 1) * so);
+      if (head + 2 >= n) return;
+      if (head + 4 < n) rb = load(head + 4, b);
+      finish(c, rc, out + (head + 2) * so);
+      if (head + 3 >= n) return;
     }
   }
 
