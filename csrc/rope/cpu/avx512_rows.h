@@ -39,9 +39,9 @@ inline __m512i fp8_magnitudes16(__m512i a) {
 // Sixty-four values quantized at a time: four vectors of magnitude codes packed to bytes by two
 // signed saturating packs (NaN codes become 0x7f), whose per-128-bit-lane order one permutation
 // undoes, then the sign bits of the sixty-four inputs (one mask) added as 0x80. Then sixteen, then
-// a masked tail. bf16 values are widened by word unpacks of their magnitudes (each vector holds
-// four runs of four), whose order the same permutation undoes, in quadwords; their signs are the
-// words' top bits.
+// a masked tail. bf16 values at a product quotient are widened by word unpacks of their
+// magnitudes (each vector holds four runs of four), whose order the same permutation undoes, in
+// quadwords; their signs are the words' top bits.
 template <class T, bool E4, Quotient Q>
 void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) {
   const float inv = Q == Quotient::kDivide ? 0.0f : 1.0f / scale;
@@ -49,7 +49,8 @@ void quant_row16(const T* x, uint8_t* dst, int64_t n, float scale, bool stream) 
   const __m512 s = _mm512_set1_ps(scale), r = _mm512_set1_ps(inv), hi = _mm512_set1_ps(top),
                lo = _mm512_sub_ps(_mm512_setzero_ps(), hi), bound = _mm512_set1_ps(2 * top * scale);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  // Magnitude codes of the values in v (|v| when `positive`) and the lanes whose code is negative.
+  // Magnitude codes of the values in v, and in `negative` the lanes whose value is negative (none
+  // when `positive`: v then holds magnitudes).
   auto codes = [&](__m512 v, bool positive, __mmask16& negative) __attribute__((always_inline)) {
     if constexpr (Q == Quotient::kDivide) {
       // min / max return their second operand when one is NaN: NaN is kept.
