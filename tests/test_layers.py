@@ -191,11 +191,32 @@ def test_vector_builds_emit_no_avx_copy_of_shared_code(tmp_path, opt):
     assert "vcvtneps2bf16" not in zmm["avx512"] and "vcvtneps2bf16" not in zmm["avx2"]
 
 
-def _disassembly(path: Path) -> str:
-    return subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+def _disassembly(path: Path, *flags: str) -> str:
+    command = ["objdump", "-d", *flags, str(path)]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
 
 @needs_x86_gcc
 def test_built_library_keeps_avx_code_inside_the_vector_builds():
     leaks = _leaks(Path(rope_ext._C.__file__))
     assert not leaks, f"AVX code outside the vector builds in the op library: {sorted(leaks)[:10]}"
+
+
+def _prefetching_functions(path: Path) -> set[str]:
+    """The functions of `path` that issue a software prefetch."""
+    found, name = set(), None
+    for line in _disassembly(path, "-C", "--no-show-raw-insn").splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            name = m.group(1)
+        elif name is not None and re.match(r"^\s+[0-9a-f]+:\s+prefetch", line):
+            found.add(name)
+    return found
+
+
+@needs_x86_gcc
+def test_built_library_hints_the_cache_rows():
+    """gcc deletes a `__builtin_prefetch` from a loop that does nothing else, silently: the cache write's
+    hints of its rows (kv_cache.cpp, hint_rows) must reach the library."""
+    hinting = _prefetching_functions(Path(rope_ext._C.__file__))
+    assert any("hint_rows" in f or "cache_step" in f for f in hinting), "no hint of the cache rows"
