@@ -126,3 +126,32 @@ def test_fp8_tables_every_16_bit_value(dtype, fp8, isa, v_scale):
     m = reference.FP8_MAX[fp8]
     rows = c.value_cache.reshape(-1, H, D)[c.slot_mapping]
     assert same_bits(rows, (c.v.float() / c.v_scale).clamp(-m, m).to(fp8))
+
+
+@pytest.mark.parametrize("tokens", [5, 8, 13, 40])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_tokens_split_over_threads_keep_their_bits(cache_dtype, tokens):
+    """Llama-3-8B heads, bf16: the CPU cache write splits its tokens over two threads from a step's bytes (an
+    fp8 cache's counted twice while OpenMP's workers spin: its rows' arithmetic, ops_cpu.cpp). Each token
+    must be rotated and written exactly once: q, k and both caches hold one thread's bits."""
+    gen = torch.Generator().manual_seed(tokens)
+    q0, k0, v = (torch.randn(tokens, h, 128, generator=gen).bfloat16() for h in (32, 8, 8))
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    cos_sin = rope_ext.RopeCache(128, max_positions=512).ensure(512).cos_sin
+    slots = torch.randperm(64 * 16, generator=gen)[:tokens]
+    scale = torch.tensor([0.02]) if cache_dtype != torch.bfloat16 else None
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            q, k = q0.clone(), k0.clone()
+            caches = [torch.zeros(64, 16, 8, 128, dtype=cache_dtype) for _ in range(2)]
+            rope_ext.apply_rotary_qk_and_cache_(
+                q, k, v, positions, cos_sin, *caches, slots, k_scale=scale, v_scale=scale
+            )
+            results.append([t.view(torch.uint8) for t in (q, k, *caches)])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results, strict=True):
+        assert torch.equal(one, two)

@@ -207,9 +207,9 @@ def test_decode_and_empty(backend, dtype):
 
 @pytest.mark.parametrize("tokens", [2, 5, 6, 7, 13, 40])
 def test_tokens_split_over_threads_keep_their_bits(tokens):
-    """Llama-3-8B heads, bf16: from 6 tokens on, the CPU op splits the tokens over two threads (its grain
-    weighs the norm's work, ops_cpu.cpp). Each token must be normalised and rotated exactly once: the
-    bits are those of one thread, and match the reference."""
+    """Llama-3-8B heads, bf16: from 8 tokens on, the CPU op splits the tokens over two threads while
+    OpenMP's workers spin (its grain weighs the norm's work, ops_cpu.cpp). Each token must be normalised
+    and rotated exactly once: the bits are those of one thread, and match the reference."""
     heads, d = (32, 8, 8), 128
     qw, kw = make_weights(d, torch.bfloat16, 0.0)
     cs = make_cos_sin(N_POS, d)

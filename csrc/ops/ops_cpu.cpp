@@ -24,29 +24,40 @@ void check_positions_cpu(const rope::RopeParams& p) {
              p.n_cache_rows, "), got ", value);
 }
 
+// Whether torch's OpenMP workers sleep between parallel regions (OMP_WAIT_POLICY=passive).
+bool workers_sleep() {
+  static const bool passive = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy && strcasecmp(policy, "passive") == 0;
+  }();
+  return passive;
+}
+
 // Bytes a thread should move (read + written) before splitting pays for waking
 // another one. While torch's OpenMP workers still spin from the last parallel
 // region, waking them costs about as much as rotating 256 KiB; when they sleep
-// (OMP_WAIT_POLICY=passive) about 100 us, so a thread then takes 1 MiB
+// about 100 us, so a thread then takes 1 MiB
 // (benchmarks/cpu-serving.md, "Intel Xeon with AVX-512"). Smaller steps stay on the calling
 // thread; larger ones split into one contiguous block of tokens per thread
 // (torch::stable::parallel_for, so torch.set_num_threads applies).
-int64_t min_bytes_per_chunk() {
-  static const int64_t bytes = [] {
-    const char* policy = std::getenv("OMP_WAIT_POLICY");
-    const bool passive = policy && strcasecmp(policy, "passive") == 0;
-    return passive ? int64_t(1) << 20 : int64_t(256) << 10;
-  }();
-  return bytes;
-}
+int64_t min_bytes_per_chunk() { return workers_sleep() ? int64_t(1) << 20 : int64_t(256) << 10; }
 
-// One parallel pass over tokens of bytes_per_token each: the calling thread alone below two
-// threads' worth of min_bytes_per_chunk(), else blocks of at least that much each (parallel_for
-// alone would split any call over its grain in halves).
+// The grain is in the rotation's bytes. While the workers spin, an op with more arithmetic per byte
+// counts each of its bytes that many times (its measured ratio to the rotation, rounded up:
+// benchmarks/cpu-zen4.md), so that a decode step of a few tokens splits once its work pays for the
+// wake-up. Sleeping workers take longer to wake than the work of any step the larger grain keeps on
+// one thread, and there the bytes count once.
+constexpr int64_t kNormWork = 3;
+constexpr int64_t kFp8CacheWork = 2;
+
+// One parallel pass over tokens of bytes_per_token each, of `work` times the rotation's arithmetic
+// per byte: the calling thread alone below two threads' worth of min_bytes_per_chunk(), else blocks
+// of at least that much each (parallel_for alone would split any call over its grain in halves).
 template <class F>
-void over_tokens(int64_t n_tokens, int64_t bytes_per_token, F&& f) {
+void over_tokens(int64_t n_tokens, int64_t bytes_per_token, F&& f, int64_t work = 1) {
+  const int64_t weighted = bytes_per_token * (workers_sleep() ? 1 : work);
   const int64_t grain =
-      std::max<int64_t>(1, min_bytes_per_chunk() / std::max<int64_t>(1, bytes_per_token));
+      std::max<int64_t>(1, min_bytes_per_chunk() / std::max<int64_t>(1, weighted));
   const int64_t blocks = n_tokens / grain;
   if (blocks < 2) return f(int64_t(0), n_tokens);  // no call into the thread pool
   torch::stable::parallel_for(0, n_tokens, 1 + (n_tokens - 1) / blocks,
@@ -65,19 +76,20 @@ void launch_cache_cpu(const rope::CacheParams& p, const Tensor&) {
   const int64_t per_token =
       es * (2 * (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim +
             2 * p.n_kv_heads * (p.rope.head_dim + p.v_dim));
-  over_tokens(p.rope.n_tokens, per_token, [&](int64_t begin, int64_t end) {
-    rope::cpu::rotate_and_cache_tokens(p, begin, end);
-  });
+  over_tokens(
+      p.rope.n_tokens, per_token,
+      [&](int64_t begin, int64_t end) { rope::cpu::rotate_and_cache_tokens(p, begin, end); },
+      p.cache_fp8 != rope::Fp8::kNone ? kFp8CacheWork : 1);
 }
 
-// The QK norm splits as the rotation of its q and k does (their bytes). Weighting its tokens by its
-// larger work per byte split decode steps of a few tokens, which costs far more than the work saved
-// when OpenMP's workers sleep (OMP_WAIT_POLICY=passive): benchmarks/cpu-serving.md, "Threads".
+// The QK norm splits by the bytes of its q and k, at its work per byte (kNormWork) while OpenMP's
+// workers spin; with sleeping workers, at their bytes alone (benchmarks/cpu-serving.md, "Threads").
 void launch_norm_cpu(const rope::NormParams& p, const Tensor&) {
   const int64_t per_token = 2 * rope::dtype_size(p.rope.x_dtype) *
                             (p.rope.t[0].n_heads + p.rope.t[1].n_heads) * p.rope.head_dim;
-  over_tokens(p.rope.n_tokens, per_token,
-              [&](int64_t begin, int64_t end) { rope::cpu::norm_rotate_tokens(p, begin, end); });
+  over_tokens(
+      p.rope.n_tokens, per_token,
+      [&](int64_t begin, int64_t end) { rope::cpu::norm_rotate_tokens(p, begin, end); }, kNormWork);
 }
 
 // The re-rotation splits by the bytes of its cache rows' rotated features (read and written).
